@@ -1,0 +1,1 @@
+"""Paged attention: Triton kernels and a torch implementation with the same signatures."""
