@@ -1,0 +1,45 @@
+import torch
+
+from pagedchat.engine.sequence import Sequence
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> list[int]:
+    """One token per row of logits [N, vocab] for the sequence of that row, under its SamplingParams."""
+    logits = logits.float()
+    for row, seq in enumerate(seqs):
+        params = seq.params
+        if seq.num_output_tokens < params.min_tokens:
+            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+            logits[row, banned] = float("-inf")
+    greedy = torch.tensor([seq.params.greedy for seq in seqs])
+    tokens = logits.argmax(dim=-1)
+    if not greedy.all():
+        rows = (~greedy).nonzero().squeeze(1)
+        chosen = _sample_rows(logits[rows], [seqs[i] for i in rows.tolist()])
+        tokens[rows] = chosen
+    return tokens.tolist()
+
+
+def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    temperature = torch.tensor([seq.params.temperature for seq in seqs]).unsqueeze(1)
+    logits = logits / temperature
+    top_k = torch.tensor([seq.params.top_k or logits.shape[1] for seq in seqs])
+    top_p = torch.tensor([seq.params.top_p for seq in seqs])
+    if (top_k < logits.shape[1]).any() or (top_p < 1).any():
+        logits = _filter_top_k_top_p(logits, top_k, top_p)
+    probs = logits.softmax(dim=-1)
+    # The exponential race (argmax of p / Exp(1)) draws from probs; its noise comes from each
+    # sequence's own generator, so a seeded request samples the same tokens whatever its batch.
+    noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=seq.generator) for seq in seqs])
+    return (probs / noise).argmax(dim=-1)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1]).unsqueeze(0)
+    drop = ranks >= top_k.unsqueeze(1)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    # Keep the smallest set whose probability reaches top_p: drop a token once the mass before it does.
+    drop |= (cumulative - sorted_logits.softmax(dim=-1)) >= top_p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
