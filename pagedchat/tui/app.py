@@ -1,0 +1,342 @@
+"""The app: chat tabs on the left, the KV panel on the right, one engine thread behind them."""
+
+import logging
+from collections.abc import Callable, Iterator
+
+from rich.text import Text
+from textual import work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.screen import Screen
+from textual.widgets import Footer, TabbedContent, Tabs
+
+from pagedchat.engine.chat import ChatSession
+from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.snapshot import KVSnapshot
+from pagedchat.tui.chat_pane import ChatPane
+from pagedchat.tui.conversation import DEFAULT_PARAMS, Conversation
+from pagedchat.tui.demo import SYSTEM_PROMPT as DEMO_SYSTEM_PROMPT
+from pagedchat.tui.demo import demo_scripts
+from pagedchat.tui.help_screen import HelpScreen
+from pagedchat.tui.kv_panel import KVPanel
+from pagedchat.tui.loading_screen import LoadingScreen
+from pagedchat.tui.message_box import MessageBox
+from pagedchat.tui.settings_screen import SettingsScreen, TabSettings
+from pagedchat.tui.themes import DEFAULT_THEME, SESSION_COLOURS, SessionTag, load_themes
+from pagedchat.tui.worker import EngineWorker
+
+log = logging.getLogger(__name__)
+
+POLL_HZ = 20
+SLOW_MOTION = (0.0, 0.25, 1.0)  # seconds between steps, cycled by f3
+DEMO_TABS = 4
+DEMO_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=160)
+STATES = {"waiting": "waiting", "running": "generating", "preempted": "preempted"}
+# Actions that belong to the chat screen: off while a dialog or the loading screen is up, so that
+# escape and friends reach the dialog despite being priority bindings.
+CHAT_ACTIONS = {"new_chat", "close_chat", "fork_chat", "stop", "regenerate", "pause", "step",
+                "slow_motion", "settings", "copy_reply", "previous_tab", "next_tab", "toggle_demo"}
+
+
+class PagedChatApp(App):
+    """`load_llm` builds the `LLM` (in a worker thread, after the screen opens)."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "pagedchat"
+    AUTO_FOCUS = "MessageBox"
+
+    BINDINGS = [
+        Binding("ctrl+n", "new_chat", "New chat", priority=True),
+        Binding("ctrl+w", "close_chat", "Close", priority=True),
+        Binding("ctrl+f", "fork_chat", "Fork", priority=True),
+        Binding("escape", "stop", "Stop", priority=True),
+        Binding("ctrl+r", "regenerate", "Regenerate", priority=True),
+        Binding("f5", "pause", "Pause", priority=True),
+        Binding("f6", "step", "Step", priority=True),
+        Binding("f3", "slow_motion", "Slow motion", priority=True, show=False),
+        Binding("f2", "settings", "Settings", priority=True),
+        Binding("f1", "help", "Help", priority=True),
+        Binding("ctrl+y", "copy_reply", "Copy last reply", priority=True, show=False),
+        Binding("ctrl+pageup,alt+left,f7", "previous_tab", "Previous tab", priority=True, show=False),
+        Binding("ctrl+pagedown,alt+right,f8", "next_tab", "Next tab", priority=True, show=False),
+        Binding("ctrl+q", "quit", "Quit", priority=True),
+    ]
+
+    def __init__(self, load_llm: Callable[[], object], *, model_name: str = "the model",
+                 theme: str = DEFAULT_THEME, demo: bool = False) -> None:
+        super().__init__()
+        for theme_obj in load_themes().values():
+            self.register_theme(theme_obj)
+        self.theme = theme
+        self.worker: EngineWorker | None = None
+        self.load_error: str | None = None  # why loading failed, for the one line the CLI prints
+        self._load_llm = load_llm
+        self._model_name = model_name
+        self._tokenizer = None
+        self._max_len: int | None = None
+        self._panes: dict[str, ChatPane] = {}
+        self._tabs_opened = 0
+        self._labels: dict[str, tuple] = {}
+        self._snapshot: KVSnapshot | None = None
+        self._demo_on = demo
+        self._demo_scripts = demo_scripts()
+        self._demo_tabs: dict[str, Iterator[str]] = {}
+
+    def get_theme_variable_defaults(self) -> dict[str, str]:
+        # Textual's own themes lack the session and block colours: borrow the default theme's.
+        return dict(load_themes()[DEFAULT_THEME].variables)
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="main"):
+            yield TabbedContent(id="chats")
+            yield KVPanel()
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.push_screen(LoadingScreen(self._model_name))
+        self._load()
+
+    def on_unmount(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+
+    # -- loading -----------------------------------------------------------------------------------
+
+    @work(thread=True, exit_on_error=False)
+    def _load(self) -> None:
+        try:
+            llm = self._load_llm()
+        except Exception as exc:
+            log.exception("loading the model failed")
+            self.call_from_thread(self._load_failed, exc)
+        else:
+            self.call_from_thread(self._loaded, llm)
+
+    def _load_failed(self, exc: Exception) -> None:
+        self.load_error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        self.exit(return_code=1)
+
+    async def _loaded(self, llm) -> None:
+        self._tokenizer = llm.get_tokenizer()
+        engine = llm.engine
+        self._max_len = engine.config.max_model_len
+        self.worker = EngineWorker(engine)
+        self.worker.start()
+        self.pop_screen()
+        self.set_interval(1 / POLL_HZ, self._poll)
+        if self._demo_on:
+            await self._start_demo()
+        else:
+            await self.action_new_chat()
+
+    # -- tabs --------------------------------------------------------------------------------------
+
+    @property
+    def _tabbed(self) -> TabbedContent:
+        return self.query_one("#chats", TabbedContent)
+
+    @property
+    def current_pane(self) -> ChatPane | None:
+        pane = self._tabbed.active_pane
+        return pane if isinstance(pane, ChatPane) else None
+
+    async def _open(self, conversation: Conversation, title: str) -> ChatPane:
+        used = {pane.colour for pane in self._panes.values()}
+        colour = next((c for c in range(SESSION_COLOURS) if c not in used), self._tabs_opened % SESSION_COLOURS)
+        pane = ChatPane(conversation, title, colour, self.worker, self._max_len)
+        self._panes[conversation.key] = pane
+        await self._tabbed.add_pane(pane)
+        self._tabbed.active = pane.id
+        pane.query_one(MessageBox).focus()
+        self._update_labels()
+        return pane
+
+    def _new_conversation(self, system_prompt: str | None = None,
+                          params: SamplingParams = DEFAULT_PARAMS) -> tuple[Conversation, str]:
+        self._tabs_opened += 1
+        key = f"chat-{self._tabs_opened}"
+        conversation = Conversation(lambda system: ChatSession(self._tokenizer, system), key,
+                                    system_prompt, params)
+        return conversation, f"chat {self._tabs_opened}"
+
+    async def action_new_chat(self) -> None:
+        await self._open(*self._new_conversation())
+
+    async def action_close_chat(self) -> None:
+        pane = self.current_pane
+        if pane is None:
+            return
+        pane.close()
+        del self._panes[pane.id]
+        self._labels.pop(pane.id, None)
+        self._demo_tabs.pop(pane.id, None)
+        await self._tabbed.remove_pane(pane.id)
+        if not self._panes:
+            await self.action_new_chat()
+
+    async def action_fork_chat(self) -> None:
+        source = self.current_pane
+        if source is None or source.conversation.request_id is None:
+            self.notify("Nothing to fork yet: send a message first.", severity="warning")
+            return
+        self._tabs_opened += 1
+        key = f"chat-{self._tabs_opened}"
+        twin = source.conversation.fork(key)
+        pane = await self._open(twin, f"{source.title}′")
+        self.worker.fork(source.conversation.request_id, twin.request_id, pane)
+        if source.replying:
+            pane.start_forked_reply(source.reply_text)
+
+    def action_previous_tab(self) -> None:
+        self._tabbed.query_one(Tabs).action_previous_tab()
+
+    def action_next_tab(self) -> None:
+        self._tabbed.query_one(Tabs).action_next_tab()
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        if isinstance(event.pane, ChatPane):
+            event.pane.query_one(MessageBox).focus()
+
+    # -- the current conversation ------------------------------------------------------------------
+
+    def action_stop(self) -> None:
+        if (pane := self.current_pane) is not None:
+            pane.stop()
+
+    def action_regenerate(self) -> None:
+        if (pane := self.current_pane) is not None:
+            pane.regenerate()
+
+    def action_copy_reply(self) -> None:
+        pane = self.current_pane
+        reply = pane.conversation.last_reply if pane else None
+        if reply is None:
+            self.notify("No reply to copy yet.", severity="warning")
+            return
+        self.copy_to_clipboard(reply.text)
+        self.notify(f"Copied {len(reply.text)} characters.")
+
+    def action_settings(self) -> None:
+        pane = self.current_pane
+        if pane is None:
+            return
+        settings = TabSettings(pane.conversation.system_prompt, pane.conversation.params)
+        self.push_screen(SettingsScreen(pane.title, settings), pane.apply_settings)
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    # -- teaching mode -----------------------------------------------------------------------------
+
+    def action_pause(self) -> None:
+        if self.worker is None:
+            return
+        self.worker.set_paused(not self.worker.paused)
+        self.notify("Engine paused: f6 runs one step, f5 resumes." if self.worker.paused else "Engine resumed.")
+
+    def action_step(self) -> None:
+        if self.worker is None:
+            return
+        if not self.worker.paused:
+            self.notify("f6 runs one step while the engine is paused (f5).", severity="warning")
+            return
+        self.worker.step_once()
+
+    def action_slow_motion(self) -> None:
+        if self.worker is None:
+            return
+        delay = SLOW_MOTION[(SLOW_MOTION.index(self.worker.delay) + 1) % len(SLOW_MOTION)] \
+            if self.worker.delay in SLOW_MOTION else 0.0
+        self.worker.set_delay(delay)
+        self.notify(f"Slow motion: {delay:g} s between steps." if delay else "Slow motion off.")
+
+    # -- demo --------------------------------------------------------------------------------------
+
+    async def _start_demo(self) -> None:
+        self._demo_on = True
+        if not self._demo_tabs:
+            for _ in range(DEMO_TABS):
+                await self._open_demo_tab()
+        if not hasattr(self, "_demo_timer"):
+            self._demo_timer = self.set_interval(1.0, self._demo_tick)
+
+    async def _open_demo_tab(self) -> None:
+        conversation, title = self._new_conversation(DEMO_SYSTEM_PROMPT, DEMO_PARAMS)
+        self._demo_tabs[conversation.key] = next(self._demo_scripts)
+        await self._open(conversation, f"demo {title.split()[-1]}")
+
+    async def action_toggle_demo(self) -> None:
+        if self._demo_on:
+            self._demo_on = False
+            self.notify("Demo stopped: the tabs finish their replies and wait.")
+        else:
+            await self._start_demo()
+
+    async def _demo_tick(self) -> None:
+        if not self._demo_on:
+            return
+        for key, script in list(self._demo_tabs.items()):
+            pane = self._panes[key]
+            if pane.full:  # the conversation filled the context: start over in a fresh tab
+                self._tabbed.active = key
+                await self.action_close_chat()
+                await self._open_demo_tab()
+            elif not pane.replying:
+                pane.send(next(script))
+
+    # -- the picture -------------------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        snapshot = self.worker.snapshot
+        if snapshot is not self._snapshot:
+            self._snapshot = snapshot
+            self.query_one(KVPanel).show(snapshot, self._tag_of, self._decode)
+        self._update_labels()
+
+    def _tag_of(self, request_id: str) -> SessionTag:
+        pane = self._panes.get(request_id.rsplit(".", 1)[0])
+        return SessionTag(pane.title, pane.colour) if pane else SessionTag.fallback(request_id)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids)
+
+    def _update_labels(self) -> None:
+        infos = {info.request_id: info for info in self._snapshot.requests} if self._snapshot else {}
+        colours = self.theme_variables
+        for key, pane in self._panes.items():
+            info = infos.get(pane.conversation.request_id)
+            state = STATES.get(info.status if info else "waiting", "idle") if pane.replying else "idle"
+            tokens = info.num_tokens if info else pane.conversation.num_tokens
+            label_key = (pane.title, colours[f"session-{pane.colour}"], state, tokens)
+            if self._labels.get(key) != label_key:
+                self._labels[key] = label_key
+                label = Text("■ ", style=label_key[1])
+                label.append(f"{pane.title} ")
+                label.append(f"{tokens} tok · {state}", style="dim")
+                self._tabbed.get_tab(key).label = label
+
+    # -- commands ----------------------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in CHAT_ACTIONS and (self.worker is None or isinstance(self.screen, (LoadingScreen,))
+                                       or self.screen.is_modal):
+            return False
+        return True
+
+    def get_system_commands(self, screen: Screen):
+        for command in super().get_system_commands(screen):
+            if command.title != "Theme":  # ours below, limited to pagedchat's themes
+                yield command
+        if self.worker is None:
+            return
+        for binding in self.BINDINGS:
+            if binding.action in CHAT_ACTIONS:
+                yield SystemCommand(binding.description, f"{binding.description} ({binding.key})",
+                                    lambda action=binding.action: self.run_action(action))
+        yield SystemCommand("Demo: start/stop", "Tabs that chat by themselves from built-in prompts",
+                            self.action_toggle_demo)
+        for name in load_themes():
+            yield SystemCommand(f"Theme: {name}", f"Switch to the {name} theme",
+                                lambda name=name: setattr(self, "theme", name))

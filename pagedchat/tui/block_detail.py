@@ -1,0 +1,48 @@
+"""What one block holds: id, ref count, owners, hash and the text of its tokens."""
+
+from collections.abc import Callable
+
+from rich.text import Text
+from textual.widgets import Static
+
+from pagedchat.engine.snapshot import BlockInfo
+from pagedchat.tui.themes import SessionTag
+
+HINT = "click a block, or focus the grid (tab) and use the arrow keys, to see what it holds"
+
+
+def detail_text(block: BlockInfo, block_size: int, tag_of: Callable[[str], SessionTag],
+                decode: Callable[[list[int]], str]) -> Text:
+    state = "free" if block.ref_count == 0 else "shared" if block.ref_count > 1 else "in use"
+    if block.ref_count == 0 and block.cached:
+        state = "free, cached prefix"
+    text = Text()
+    text.append(f"block {block.block_id}", style="bold")
+    text.append(f" · ref {block.ref_count} · {block.num_tokens}/{block_size} tokens · {state}\n")
+    owners = ", ".join(tag_of(owner).name for owner in block.owners) or "none"
+    text.append(f"owners: {owners}\n")
+    text.append(f"hash: {block.block_hash:016x}\n" if block.block_hash is not None else "hash: none (not full)\n")
+    text.append(repr(decode(list(block.token_ids))) if block.token_ids else "(empty)", style="italic")
+    return text
+
+
+class BlockDetail(Static):
+    DEFAULT_CSS = """
+    BlockDetail {
+        height: auto;
+        max-height: 8;
+        padding: 0 1;
+        border-top: hkey $panel;
+    }
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(HINT, **kwargs)
+        self._key: tuple | None = None
+
+    def show(self, block: BlockInfo | None, block_size: int, tag_of: Callable[[str], SessionTag],
+             decode: Callable[[list[int]], str]) -> None:
+        key = None if block is None else (block, tuple(tag_of(owner) for owner in block.owners))
+        if key != self._key:
+            self._key = key
+            self.update(HINT if block is None else detail_text(block, block_size, tag_of, decode))

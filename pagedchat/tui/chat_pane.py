@@ -1,0 +1,219 @@
+"""One chat tab: a conversation kept resident in the engine, its transcript and its message box."""
+
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Button, Markdown, Static, TabPane
+
+from pagedchat.engine.outputs import CompletionOutput, RequestOutput
+from pagedchat.tui.chat_message import ChatMessage
+from pagedchat.tui.conversation import ContextFull, Conversation, Send
+from pagedchat.tui.message_box import MessageBox
+from pagedchat.tui.settings_screen import TabSettings
+from pagedchat.tui.worker import EngineError, EngineOutput, EngineWorker
+
+FINISH_NOTES = {"abort": "stopped", "length": "max tokens reached"}
+
+
+class ChatPane(TabPane):
+    """The engine thread posts `EngineOutput` / `EngineError` here, never to the App."""
+
+    DEFAULT_CSS = """
+    ChatPane {
+        padding: 0;
+    }
+    ChatPane > #transcript {
+        height: 1fr;
+        padding: 0 1;
+        scrollbar-size-vertical: 1;
+    }
+    ChatPane > #turn-info {
+        height: 1;
+        padding: 0 1;
+        color: $text-muted;
+    }
+    ChatPane .new-chat {
+        margin: 0 0 1 2;
+    }
+    """
+
+    def __init__(self, conversation: Conversation, title: str, colour: int,
+                 worker: EngineWorker | None = None, max_len: int | None = None) -> None:
+        super().__init__(title, id=conversation.key)
+        self.conversation = conversation
+        self.title = title
+        self.colour = colour
+        self.worker = worker
+        self.max_len = max_len
+        self.replying = False  # a reply is on its way (waiting, prefilling, generating, preempted)
+        self.full = False  # the conversation reached the model's context
+        self._reply: ChatMessage | None = None
+        self._stream = None
+        self._shown = ""  # the reply text already written to the stream
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="transcript"):
+            for turn in self.conversation.turns:
+                yield ChatMessage(turn.role, turn.text)
+        yield Static(id="turn-info")
+        yield MessageBox()
+
+    def on_mount(self) -> None:
+        self.query_one("#transcript").anchor()
+
+    # -- turns -------------------------------------------------------------------------------------
+
+    def on_message_box_submitted(self, event: MessageBox.Submitted) -> None:
+        event.stop()
+        if self.send(event.text):
+            event.box.clear()
+
+    def send(self, text: str) -> bool:
+        """Send a user message; False (and a notice why) if it cannot go now."""
+        text = text.strip()
+        if not text:
+            self.notify("The message is empty: nothing to send.", severity="warning")
+        elif self.worker is None:
+            self.notify("The model is still loading.", severity="warning")
+        elif self.replying:
+            self.notify("A reply is on its way: wait for it, or press escape to stop it.", severity="warning")
+        else:
+            try:
+                send = self.conversation.send(text, self.max_len)
+            except ContextFull as exc:
+                self._context_full(str(exc))
+                return False
+            self._transcript.mount(ChatMessage("user", text))
+            self._start_reply(send)
+            return True
+        return False
+
+    def stop(self) -> None:
+        if self.replying and self.worker is not None:
+            self.worker.abort(self.conversation.request_id)
+
+    def regenerate(self) -> None:
+        if self.replying:
+            self.notify("Stop the reply first (escape), then regenerate.", severity="warning")
+            return
+        if self.worker is None or self.conversation.last_reply is None:
+            self.notify("There is no reply to regenerate.", severity="warning")
+            return
+        old, send = self.conversation.regenerate()
+        self._release(old)
+        replies = self._transcript.query(ChatMessage).filter(".-assistant")
+        if replies:
+            replies.last().remove()
+        self._start_reply(send)
+
+    @property
+    def reply_text(self) -> str:
+        """The reply in progress, as far as it has been shown."""
+        return self._shown
+
+    def apply_settings(self, settings: TabSettings | None) -> None:
+        if settings is None:
+            return
+        self.conversation.params = settings.params
+        if settings.system_prompt != self.conversation.system_prompt:
+            if self.replying:
+                self.notify("The system prompt changes after this reply: stop it or wait.", severity="warning")
+                return
+            # The system prompt is the first thing the model read: the next turn resends everything.
+            self._release(self.conversation.set_system_prompt(settings.system_prompt))
+
+    def close(self) -> None:
+        """The tab is closing: the blocks only this conversation held go back to the pool."""
+        self._release(self.conversation.request_id)
+
+    def start_forked_reply(self, partial_text: str) -> None:
+        """This pane is a fork of a conversation whose reply is in progress: it streams its own."""
+        self._begin_reply(partial_text)
+
+    def _start_reply(self, send: Send) -> None:
+        assert self.worker is not None
+        if send.new_request:
+            self.worker.add(send.request_id, send.token_ids, self.conversation.params, self)
+        else:
+            self.worker.continue_(send.request_id, send.token_ids, self.conversation.params, self)
+        self._begin_reply("")
+
+    def _begin_reply(self, text: str) -> None:
+        self.replying = True
+        self._shown = text
+        self._reply = ChatMessage("assistant", text)
+        self._transcript.mount(self._reply)
+        self._stream = Markdown.get_stream(self._reply)
+
+    # -- what the engine thread posts --------------------------------------------------------------
+
+    async def on_engine_output(self, message: EngineOutput) -> None:
+        message.stop()
+        output = message.output
+        if not self.replying or output.request_id != self.conversation.request_id:
+            return  # a stale report (an earlier request of this tab, or the one a fork starts with)
+        completion = output.outputs[0]
+        await self._show(completion.text)
+        if completion.finish_reason is not None:
+            await self._finish(output, completion)
+
+    async def on_engine_error(self, message: EngineError) -> None:
+        message.stop()
+        if self.replying and message.request_id == self.conversation.request_id:
+            await self._fail(message.error)
+
+    async def _show(self, text: str) -> None:
+        if text.startswith(self._shown):
+            await self._stream.write(text[len(self._shown):])
+        else:  # a stop string cut text already shown
+            await self._stream.stop()
+            await self._reply.update(text)
+            self._stream = Markdown.get_stream(self._reply)
+        self._shown = text
+
+    async def _finish(self, output: RequestOutput, completion: CompletionOutput) -> None:
+        if completion.finish_reason == "error":
+            await self._fail(completion.error or "the engine failed this request")
+            return
+        await self._end_reply()
+        self.conversation.add_reply(completion.text, completion.token_ids)
+        prompt, reused = len(output.prompt_token_ids), output.num_cached_tokens
+        note = FINISH_NOTES.get(completion.finish_reason, "")
+        if self.max_len is not None and self.conversation.num_tokens >= self.max_len - 1:
+            note = "context full"
+            self._context_full(f"the conversation has reached the model's context of {self.max_len} tokens")
+        self.query_one("#turn-info", Static).update(
+            f"last turn: prompt {prompt} tok, {reused} served from blocks held or cached, "
+            f"{prompt - reused} computed · reply {len(completion.token_ids)} tok"
+            + (f" · {note}" if note else ""))
+
+    async def _fail(self, error: str) -> None:
+        await self._end_reply()
+        if not self._shown and self._reply is not None:
+            await self._reply.remove()
+        self._release(self.conversation.fail_turn())
+        await self._transcript.mount(ChatMessage("error", f"**Error:** {error}"))
+
+    async def _end_reply(self) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
+        self._stream = None
+        self.replying = False
+
+    def _context_full(self, reason: str) -> None:
+        self.full = True
+        self._transcript.mount(ChatMessage("notice", f"**Context full:** {reason}. "
+                                                     "Start a new chat to go on (ctrl+n)."))
+        self._transcript.mount(Button("New chat", classes="new-chat", variant="primary"))
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.has_class("new-chat"):
+            event.stop()
+            self.run_action("app.new_chat")
+
+    def _release(self, request_id: str | None) -> None:
+        if request_id is not None and self.worker is not None:
+            self.worker.release(request_id)
+
+    @property
+    def _transcript(self) -> VerticalScroll:
+        return self.query_one("#transcript", VerticalScroll)

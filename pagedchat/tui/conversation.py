@@ -1,0 +1,126 @@
+"""A chat tab's conversation, apart from any widget: its turns, its ChatSession and its engine request.
+
+A conversation stays resident in the engine between turns: the first turn adds a request with
+`keep=True` and sends the whole prompt; later turns send only the new message's tokens with
+`continue_request`. Anything that changes tokens already sent (regenerating the last reply, a new
+system prompt, a failed turn) rebuilds the session by replaying the turns, drops the engine request,
+and the next turn starts a new request with the whole sequence, which the prefix cache mostly serves.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from pagedchat.engine.params import SamplingParams
+
+DEFAULT_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512)
+
+
+class ChatSessionLike(Protocol):
+    """`pagedchat.engine.chat.ChatSession`, or a stand-in in tests."""
+
+    token_ids: list[int]
+
+    def user_turn(self, text: str) -> list[int]: ...
+    def add_reply(self, token_ids: list[int], text: str | None = None) -> None: ...
+
+
+class ContextFull(Exception):
+    """The message does not fit in what is left of the model's context."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: str  # "user" | "assistant"
+    text: str
+    token_ids: tuple[int, ...] = ()  # the model's own reply tokens, never re-tokenized
+
+
+@dataclass(frozen=True)
+class Send:
+    """What to tell the engine for a user turn."""
+
+    request_id: str
+    token_ids: list[int]
+    new_request: bool  # add_request with the whole sequence, else continue_request with the suffix
+
+
+class Conversation:
+    def __init__(self, new_session: Callable[[str | None], ChatSessionLike], key: str,
+                 system_prompt: str | None = None, params: SamplingParams = DEFAULT_PARAMS) -> None:
+        self.key = key
+        self.system_prompt = system_prompt
+        self.params = params
+        self.turns: list[Turn] = []
+        self.request_id: str | None = None  # the engine request that holds this conversation
+        self._new_session = new_session
+        self._generation = 0  # numbers this conversation's engine requests
+        self._session = new_session(system_prompt)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._session.token_ids)
+
+    @property
+    def last_reply(self) -> Turn | None:
+        return self.turns[-1] if self.turns and self.turns[-1].role == "assistant" else None
+
+    def send(self, text: str, max_len: int | None = None) -> Send:
+        """Add the user's message; raise ContextFull (changing nothing) if it cannot fit."""
+        new_ids = self._session.user_turn(text)
+        if max_len is not None and self.num_tokens >= max_len:
+            self._replay(self.turns)  # user_turn changed the session: undo it
+            raise ContextFull(f"the conversation has {self.num_tokens - len(new_ids)} of the model's "
+                              f"{max_len} tokens; this message needs {len(new_ids)} more")
+        self.turns.append(Turn("user", text))
+        if self.request_id is None:
+            self._generation += 1
+            self.request_id = f"{self.key}.{self._generation}"
+            return Send(self.request_id, list(self._session.token_ids), new_request=True)
+        return Send(self.request_id, new_ids, new_request=False)
+
+    def add_reply(self, text: str, token_ids: list[int]) -> None:
+        self._session.add_reply(list(token_ids), text)
+        self.turns.append(Turn("assistant", text, tuple(token_ids)))
+
+    def regenerate(self) -> tuple[str | None, Send]:
+        """Drop the last reply and resend the turns before it: (request to release, what to send)."""
+        if self.last_reply is None:
+            raise ValueError("there is no reply to regenerate")
+        old = self._drop(self.turns[:-1])
+        self._generation += 1
+        self.request_id = f"{self.key}.{self._generation}"
+        return old, Send(self.request_id, list(self._session.token_ids), new_request=True)
+
+    def fail_turn(self) -> str | None:
+        """The last user message failed: forget it. Returns the request to release."""
+        keep = self.turns[:-1] if self.turns and self.turns[-1].role == "user" else self.turns
+        return self._drop(keep)
+
+    def set_system_prompt(self, prompt: str | None) -> str | None:
+        """A new system prompt changes the first tokens: returns the request to release, if any."""
+        self.system_prompt = prompt
+        return self._drop(self.turns)
+
+    def fork(self, key: str) -> "Conversation":
+        """A copy with the same history; its request is forked from this one's (shared blocks)."""
+        twin = Conversation(self._new_session, key, self.system_prompt, self.params)
+        twin._replay(self.turns)
+        if self.request_id is not None:
+            twin._generation = 1
+            twin.request_id = f"{key}.1"
+        return twin
+
+    def _drop(self, turns: list[Turn]) -> str | None:
+        old, self.request_id = self.request_id, None
+        self._replay(turns)
+        return old
+
+    def _replay(self, turns: list[Turn]) -> None:
+        self._session = self._new_session(self.system_prompt)
+        for turn in turns:
+            if turn.role == "user":
+                self._session.user_turn(turn.text)
+            else:
+                self._session.add_reply(list(turn.token_ids), turn.text)
+        self.turns = list(turns)

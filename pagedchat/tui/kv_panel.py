@@ -1,0 +1,88 @@
+"""The KV panel: everything it draws comes from one KVSnapshot, so a hand-made one tests it."""
+
+from collections.abc import Callable
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Static
+
+from pagedchat.engine.snapshot import KVSnapshot
+from pagedchat.tui.block_detail import BlockDetail
+from pagedchat.tui.block_grid import BlockGrid
+from pagedchat.tui.block_tables import BlockTables
+from pagedchat.tui.event_log import EventLog
+from pagedchat.tui.kv_stats import KVStats
+from pagedchat.tui.themes import SessionTag
+
+
+def legend_text(colours: dict[str, str]) -> Text:
+    text = Text()
+    for glyph, style, label in (("█", colours["session-0"], "in use"),
+                                ("▄", colours["session-0"], "partial"),
+                                ("2", f"bold {colours['block-shared']} on {colours['session-0']}", "shared×ref"),
+                                ("░", colours["block-cached"], "cached"),
+                                ("·", colours["block-free"], "free")):
+        text.append(glyph, style=style)
+        text.append(f" {label}  ")
+    text.rstrip()
+    return text
+
+
+class KVPanel(Vertical):
+    DEFAULT_CSS = """
+    KVPanel {
+        width: 58;
+        height: 1fr;
+        border-left: vkey $panel;
+        background: $surface;
+    }
+    KVPanel > #legend {
+        padding: 0 1;
+        height: 1;
+    }
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.snapshot: KVSnapshot | None = None
+        self._tag_of: Callable[[str], SessionTag] = SessionTag.fallback
+        self._decode: Callable[[list[int]], str] = lambda ids: " ".join(map(str, ids))
+
+    def compose(self) -> ComposeResult:
+        yield KVStats("waiting for the engine…")
+        yield BlockGrid()
+        yield Static(id="legend")
+        yield BlockDetail()
+        yield BlockTables()
+        yield EventLog()
+
+    def on_mount(self) -> None:
+        self.watch(self.app, "theme", self._redraw)
+
+    def show(self, snapshot: KVSnapshot, tag_of: Callable[[str], SessionTag] | None = None,
+             decode: Callable[[list[int]], str] | None = None) -> None:
+        """Draw a snapshot. `tag_of` names and colours request ids; `decode` turns tokens to text."""
+        self.snapshot = snapshot
+        self._tag_of = tag_of or self._tag_of
+        self._decode = decode or self._decode
+        self.query_one(KVStats).show(snapshot)
+        self.query_one(BlockGrid).show(snapshot, self._tag_of)
+        self.query_one(BlockTables).show(snapshot, self._tag_of)
+        self.query_one(EventLog).show(snapshot, self._tag_of)
+        self._show_detail()
+
+    def _show_detail(self) -> None:
+        cursor = self.query_one(BlockGrid).cursor
+        snapshot = self.snapshot
+        block = snapshot.blocks[cursor] if snapshot and cursor is not None else None
+        self.query_one(BlockDetail).show(block, snapshot.block_size if snapshot else 0,
+                                         self._tag_of, self._decode)
+
+    def on_block_grid_selected(self) -> None:
+        self._show_detail()
+
+    def _redraw(self) -> None:
+        self.query_one("#legend", Static).update(legend_text(self.app.theme_variables))
+        if self.snapshot is not None:
+            self.show(self.snapshot)

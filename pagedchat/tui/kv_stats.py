@@ -1,0 +1,51 @@
+"""The pool in numbers, and the lesson the app exists to teach: paging against contiguous reservation."""
+
+from rich.text import Text
+from textual.widgets import Static
+
+from pagedchat.engine.snapshot import KVSnapshot
+
+LIVE = ("waiting", "running", "preempted", "parked")  # requests that hold (or will hold) blocks
+
+
+def contiguous_blocks(snapshot: KVSnapshot) -> int:
+    """Blocks an allocator reserving each live request's max length up front would hold now."""
+    size = snapshot.block_size
+    return sum(-(-info.max_len // size) for info in snapshot.requests if info.status in LIVE)
+
+
+def stats_text(snapshot: KVSnapshot) -> Text:
+    used = snapshot.num_blocks - snapshot.num_free_blocks
+    usage = 100 * used / snapshot.num_blocks if snapshot.num_blocks else 0.0
+    preempted = sum(info.status == "preempted" for info in snapshot.requests)
+    hits = (100 * snapshot.prefix_cache_hits / snapshot.prefix_cache_queries
+            if snapshot.prefix_cache_queries else 0.0)
+    contiguous = contiguous_blocks(snapshot)
+    text = Text()
+    text.append(f"free {snapshot.num_free_blocks}/{snapshot.num_blocks} blocks", style="bold")
+    text.append(f" · {usage:.0f}% used · {snapshot.num_cached_blocks} cached\n")
+    text.append(f"run {snapshot.num_running} · wait {snapshot.num_waiting} · preempted {preempted} "
+                f"({snapshot.num_preemptions} total) · parked {snapshot.num_parked}\n")
+    text.append(f"prefix hits {hits:.0f}% · {snapshot.tokens_per_second:.1f} tok/s · step {snapshot.step}\n")
+    text.append(f"contiguous would hold {contiguous:>5} blocks")
+    if contiguous > snapshot.num_blocks:
+        text.append(" > pool!", style="bold")
+    text.append(f"\npaging holds          {used:>5} blocks", style="bold")
+    return text
+
+
+class KVStats(Static):
+    """`free N/M blocks` and the numbers beside it; redrawn only when they change."""
+
+    DEFAULT_CSS = """
+    KVStats {
+        height: auto;
+        padding: 0 1;
+    }
+    """
+
+    def show(self, snapshot: KVSnapshot) -> None:
+        text = stats_text(snapshot)
+        if text.plain != getattr(self, "_plain", None):
+            self._plain = text.plain
+            self.update(text)
