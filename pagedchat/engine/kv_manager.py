@@ -85,9 +85,8 @@ class KVCacheManager:
             block.token_ids = seq.token_ids[index * bs : min((index + 1) * bs, end)]
         seq.num_computed_tokens = end
         if self.enable_prefix_caching:
-            first_new_full = len(seq.block_hashes)
             self._extend_hashes(seq, end)
-            for index in range(first_new_full, len(seq.block_hashes)):
+            for index in range(start // bs, end // bs):  # the blocks this commit filled
                 self.pool.register(self.pool.blocks[seq.block_table[index]], seq.block_hashes[index])
 
     def _extend_hashes(self, seq: Sequence, num_tokens: int) -> None:

@@ -1,0 +1,253 @@
+"""The engine against Hugging Face `generate` (fp32, greedy), with the pool's invariants after every step."""
+
+import random
+from functools import cache
+
+import pytest
+import torch
+from invariants import assert_all_free, assert_invariants
+from transformers import AutoModelForCausalLM
+
+from pagedchat import LLM, SamplingParams
+from pagedchat.engine.chat import ChatSession
+
+GREEDY = dict(temperature=0.0)
+
+
+@cache
+def hf_model(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(path, token_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    out = hf_model(path).generate(
+        torch.tensor([token_ids]), attention_mask=torch.ones(1, len(token_ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens, do_sample=False, **kwargs,
+    )
+    return out[0, len(token_ids):].tolist()
+
+
+def make_llm(path, **kwargs) -> LLM:
+    kwargs = {"dtype": "float32", "device": "cpu", "attention_backend": "torch", **kwargs}
+    return LLM(model=path, **kwargs)
+
+
+def run_to_end(engine, check=True) -> dict[str, object]:
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if check:
+            assert_invariants(engine.kv_snapshot())
+    return finished
+
+
+def random_prompts(seed: int, lengths: list[int], vocab: int = 250) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_concurrent_greedy_matches_hf_under_pressure(tiny_models, arch):
+    """Ten prompts (1 token to several blocks, some ending on a block boundary, two sharing a prefix)
+    through a pool too small for all of them and a token budget that chunks every long prompt."""
+    path = tiny_models[arch]
+    llm = make_llm(path, block_size=8, num_kv_blocks=28, max_num_batched_tokens=24, max_model_len=224)
+    engine = llm.engine
+    first, *rest = random_prompts(seed=sum(map(ord, arch)), lengths=[40, 1, 7, 8, 16, 33, 50, 64, 3])
+    rest = [first[:32] + [5, 6], first[:16] + [7]] + rest
+    params = SamplingParams(max_tokens=24, min_tokens=24, **GREEDY)
+    engine.add_request("first", first, params)
+    while engine.kv_snapshot().requests[0].num_computed_tokens < len(first):
+        engine.step()
+    for i, prompt in enumerate(rest):
+        engine.add_request(f"r{i}", prompt, params)
+    finished = run_to_end(engine)
+    snap = engine.kv_snapshot()
+    assert snap.num_preemptions > 0, "the pool was meant to run dry"
+    assert snap.prefix_cache_hits >= 32, "the shared prefixes were meant to come from the cache"
+    assert_all_free(snap)
+    for request_id, prompt in [("first", first)] + [(f"r{i}", p) for i, p in enumerate(rest)]:
+        assert finished[request_id].token_ids == hf_greedy(path, prompt, 24, min_new_tokens=24), request_id
+        assert finished[request_id].finish_reason == "length"
+
+
+def test_stops_at_eos_like_hf(tiny_model):
+    llm = make_llm(tiny_model)
+    tokenizer = llm.get_tokenizer()
+    prompts = random_prompts(seed=7, lengths=[5, 12, 30, 2, 9, 17, 4, 21])
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, **GREEDY))
+    assert any(o.finish_reason == "stop" for o in outs), "no prompt reached EOS: the test proves nothing"
+    for prompt, out in zip(prompts, outs):
+        expected = hf_greedy(tiny_model, prompt, 40)
+        assert out.token_ids == expected
+        assert out.text == tokenizer.decode(expected, skip_special_tokens=True)
+        assert out.finish_reason == ("stop" if expected[-1] == tokenizer.eos_token_id else "length")
+
+
+def test_three_turn_conversation_computes_only_new_tokens(tiny_model):
+    llm = make_llm(tiny_model, block_size=8)
+    engine = llm.engine
+    chat = ChatSession(llm.get_tokenizer())
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    for turn, message in enumerate(["Hello there!", "Tell me more, please.", "Thanks — bye."]):
+        resident = chat.num_tokens
+        new_ids = chat.user_turn(message)
+        if turn == 0:
+            engine.add_request("chat", new_ids, params, keep=True)
+        else:
+            engine.continue_request("chat", new_ids, params)
+        out = run_to_end(engine)["chat"]
+        # Everything from earlier turns was resident except the last reply token, whose KV is computed now.
+        assert out.num_cached_tokens == max(resident - 1, 0)
+        assert out.prompt_token_ids == chat.token_ids
+        assert out.token_ids == hf_greedy(tiny_model, chat.token_ids, 12)
+        chat.add_reply(out.token_ids)
+        assert engine.kv_snapshot().requests[0].status == "parked"
+    engine.release_request("chat")
+    assert_all_free(engine.kv_snapshot())
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_released_conversation_continues_with_same_tokens(tiny_model, prefix_caching):
+    llm = make_llm(tiny_model, block_size=8, enable_prefix_caching=prefix_caching)
+    engine = llm.engine
+    chat = ChatSession(llm.get_tokenizer(), system_prompt="Be brief.")
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    engine.add_request("c", chat.user_turn("First question?"), params, keep=True)
+    chat.add_reply(run_to_end(engine)["c"].token_ids)
+    engine.release_request("c")
+    assert_all_free(engine.kv_snapshot())
+    engine.continue_request("c", chat.user_turn("Second question?"), params)
+    out = run_to_end(engine)["c"]
+    assert out.token_ids == hf_greedy(tiny_model, chat.token_ids, 10)
+    block_size = 8
+    expected_cached = (len(chat.token_ids) - 1) // block_size * block_size if prefix_caching else 0
+    assert out.num_cached_tokens <= expected_cached
+    assert (out.num_cached_tokens > 0) == prefix_caching
+
+
+def test_abort_frees_or_parks(tiny_model):
+    engine = make_llm(tiny_model, block_size=8).engine
+    params = SamplingParams(max_tokens=100, ignore_eos=True, **GREEDY)
+    engine.add_request("free", [1, 2, 3, 4, 5], params)
+    engine.add_request("keep", [1, 2, 3, 4, 6], params, keep=True)
+    for _ in range(3):
+        engine.step()
+    engine.abort_request("free")
+    engine.abort_request("keep")
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["free"].finish_reason == outs["keep"].finish_reason == "abort"
+    assert len(outs["keep"].token_ids) >= 2
+    snap = engine.kv_snapshot()
+    assert_invariants(snap)
+    assert snap.block_tables.keys() == {"keep"} and snap.block_tables["keep"]
+    assert not engine.has_unfinished_requests()
+    engine.release_request("keep")
+    assert_all_free(engine.kv_snapshot())
+
+
+def test_prompt_that_cannot_fit_fails_alone(tiny_model):
+    llm = make_llm(tiny_model, block_size=8, num_kv_blocks=8)
+    outs = llm.generate([[3] * 100, [4, 5, 6]], SamplingParams(max_tokens=5, **GREEDY))
+    assert outs[0].finish_reason == "error" and "context" in outs[0].error
+    assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 5
+
+
+def test_malformed_arguments_raise(tiny_model):
+    engine = make_llm(tiny_model).engine
+    with pytest.raises(ValueError):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError):
+        engine.abort_request("nope")
+    engine.add_request("a", [1, 2], SamplingParams())
+    with pytest.raises(ValueError):
+        engine.add_request("a", [1, 2], SamplingParams())
+    with pytest.raises(ValueError):
+        engine.continue_request("a", [3], SamplingParams())
+
+
+def test_engine_error_fails_the_batch_and_serves_the_rest(tiny_model, monkeypatch):
+    engine = make_llm(tiny_model).engine
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    engine.add_request("doomed", [1, 2, 3], params)
+    real_forward = engine.runner.forward
+
+    def exploding(batch):
+        monkeypatch.setattr(engine.runner, "forward", real_forward)
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(engine.runner, "forward", exploding)
+    outs = engine.step()
+    assert outs[0].finish_reason == "error" and "injected fault" in outs[0].error
+    assert_all_free(engine.kv_snapshot())
+    engine.add_request("fine", [1, 2, 3], params)
+    assert run_to_end(engine)["fine"].token_ids == hf_greedy(tiny_model, [1, 2, 3], 6)
+
+
+def test_streamed_text_never_splits_a_character(tiny_model):
+    """The byte-level tiny tokenizer spells 'é' with two tokens: no step may show half of it."""
+    llm = make_llm(tiny_model)
+    tokenizer = llm.get_tokenizer()
+    engine = llm.engine
+    forced = tokenizer.encode("héllo wörld ✓", add_special_tokens=False)
+    assert len(forced) > len("héllo wörld ✓")
+    # Feed the text's own tokens as stop-free output by making them the only allowed continuation.
+    pieces = []
+    engine.add_request("s", [1, 2, 3], SamplingParams(max_tokens=len(forced), ignore_eos=True, **GREEDY))
+    original = engine.runner.forward
+
+    def forcing(batch):
+        logits = torch.full_like(original(batch), -1e9)
+        logits[:, forced[min(len(pieces), len(forced) - 1)]] = 0
+        return logits
+
+    engine.runner.forward = forcing
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            pieces.append(out.outputs[0].new_text)
+    assert "\ufffd" not in "".join(pieces)
+    assert "".join(pieces) == "héllo wörld ✓"
+
+
+def test_sampling_is_seeded_and_filtered(tiny_model):
+    llm = make_llm(tiny_model)
+    prompt = [10, 20, 30]
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=20, ignore_eos=True)
+    a, b = llm.generate([prompt, prompt], [seeded, seeded])
+    assert a.token_ids == b.token_ids
+    other = llm.generate(prompt, SamplingParams(temperature=1.0, seed=99, max_tokens=20, ignore_eos=True))[0]
+    assert other.token_ids != a.token_ids
+    top1 = llm.generate(prompt, SamplingParams(temperature=0.8, top_k=1, seed=5, max_tokens=15, ignore_eos=True))[0]
+    assert top1.token_ids == hf_greedy(tiny_model, prompt, 15, min_new_tokens=15)
+    tiny_p = llm.generate(prompt, SamplingParams(temperature=0.8, top_p=1e-6, seed=5, max_tokens=15, ignore_eos=True))[0]
+    assert tiny_p.token_ids == top1.token_ids
+
+
+def test_stop_conditions(tiny_model):
+    llm = make_llm(tiny_model)
+    tokenizer = llm.get_tokenizer()
+    prompt = [40, 41, 42]
+    free_run = llm.generate(prompt, SamplingParams(max_tokens=30, ignore_eos=True, **GREEDY))[0]
+    assert len(free_run.token_ids) == 30 and free_run.finish_reason == "length"
+    stop_id = free_run.token_ids[5]
+    by_id = llm.generate(prompt, SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id], **GREEDY))[0]
+    cut = free_run.token_ids.index(stop_id) + 1
+    assert by_id.token_ids == free_run.token_ids[:cut] and by_id.finish_reason == "stop"
+    stop_text = free_run.text[8:10]
+    by_text = llm.generate(prompt, SamplingParams(max_tokens=30, ignore_eos=True, stop=[stop_text], **GREEDY))[0]
+    assert by_text.finish_reason == "stop"
+    assert by_text.text == free_run.text[: free_run.text.index(stop_text)]
+    eos = tokenizer.eos_token_id
+    no_eos_early = llm.generate(prompt, SamplingParams(max_tokens=30, min_tokens=30, **GREEDY))[0]
+    assert eos not in no_eos_early.token_ids and len(no_eos_early.token_ids) == 30
+
+
+def test_chat_api(tiny_model):
+    llm = make_llm(tiny_model)
+    out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=8, **GREEDY))[0]
+    chat = ChatSession(llm.get_tokenizer())
+    ids = chat.user_turn("Hi")
+    assert out.prompt_token_ids == ids
+    assert out.token_ids == hf_greedy(tiny_model, ids, 8)
