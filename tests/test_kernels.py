@@ -1,0 +1,182 @@
+"""Both kernel implementations (torch and Triton, the latter under TRITON_INTERPRET=1) against a
+naive reference: a loop per sequence, a gather through the block table, a softmax in float64."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from pagedchat import kernels
+from pagedchat.kernels import torch_ops, triton_ops
+
+IMPLEMENTATIONS = {"torch": torch_ops, "triton": triton_ops}
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+HEADS = {"mha": (2, 2), "gqa3": (9, 3), "gqa4": (8, 2)}  # (Hq, Hkv): group sizes 1, 3, 4
+
+# Pairwise cover of (head_dim, block_size, dtype, heads, num_kv_splits): every pair of values of any
+# two parameters occurs in some row (test_cases_are_pairwise checks it), in 12 rows instead of 324.
+CASES = [
+    (64, 32, "fp32", "gqa4", None), (64, 16, "fp16", "mha", 1), (64, 8, "bf16", "gqa3", 3),
+    (80, 32, "fp16", "gqa3", 3), (80, 8, "fp32", "mha", 1), (80, 16, "bf16", "gqa4", None),
+    (96, 16, "fp32", "gqa3", 1), (96, 8, "fp16", "gqa4", 3), (96, 32, "bf16", "mha", None),
+    (128, 32, "bf16", "gqa4", 1), (128, 16, "fp32", "mha", 3), (128, 8, "fp16", "gqa3", None),
+]
+
+
+def make_batch(seqs: list[tuple[int, int]], head_dim: int, block_size: int, dtype: torch.dtype,
+               num_q_heads: int, num_kv_heads: int, seed: int = 0) -> dict:
+    """A paged batch: seqs are (seq_len, q_len); blocks shuffled, free slots and spare table entries garbage."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [math.ceil(seq_len / block_size) for seq_len, _ in seqs]
+    num_blocks = sum(blocks_needed) + 3  # spare blocks stay NaN, like freed ones
+    order = torch.randperm(num_blocks, generator=gen)
+    max_blocks = max(blocks_needed) + 1
+    block_tables = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+    used = 0
+    for s, ((seq_len, _), n) in enumerate(zip(seqs, blocks_needed)):
+        block_tables[s, :n] = order[used:used + n].to(torch.int32)
+        used += n
+        positions = torch.arange(seq_len)  # fill exactly the context's slots, leave the rest NaN
+        blocks, offsets = block_tables[s, positions // block_size].long(), positions % block_size
+        key_cache[blocks, offsets] = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        value_cache[blocks, offsets] = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q_lens = [q_len for _, q_len in seqs]
+    num_tokens = sum(q_lens)
+    return dict(
+        query=torch.randn(num_tokens, num_q_heads, head_dim, generator=gen).to(dtype),
+        key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+        seq_lens=torch.tensor([seq_len for seq_len, _ in seqs], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32),
+        scale=head_dim ** -0.5,
+    )
+
+
+def reference_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                        scale) -> torch.Tensor:
+    """Float64, one sequence at a time, causal over the context gathered by its block table."""
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for s in range(len(seq_lens)):
+        seq_len = int(seq_lens[s])
+        start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        positions = torch.arange(seq_len)
+        blocks = block_tables[s, positions // block_size].long()
+        k = key_cache[blocks, positions % block_size].double().repeat_interleave(group, dim=1)
+        v = value_cache[blocks, positions % block_size].double().repeat_interleave(group, dim=1)
+        q = query[start:end].double()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(seq_len - (end - start), seq_len)
+        scores = scores.masked_fill(positions[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected).norm() / expected.norm()).item()
+
+
+def mixed_seqs(block_size: int) -> list[tuple[int, int]]:
+    """(seq_len, q_len): decode rows, whole prompts and chunks after a cached prefix, ragged, in one batch."""
+    return [
+        (1, 1),                          # a one-token prompt
+        (3 * block_size, 1),             # decode ending exactly on a block boundary
+        (317, 1),                        # long decode, > 300
+        (41, 41),                        # whole prompt
+        (4 * block_size, block_size),    # chunk ending on a block boundary
+        (305, 23),                       # chunk after a long cached prefix
+        (130, 1),
+        (9, 9),
+    ]
+
+
+def test_cases_are_pairwise():
+    values = [sorted({case[i] for case in CASES}, key=str) for i in range(5)]
+    assert [len(v) for v in values] == [4, 3, 3, 3, 3]
+    for i, j in itertools.combinations(range(5), 2):
+        seen = {(case[i], case[j]) for case in CASES}
+        assert seen == set(itertools.product(values[i], values[j])), (i, j)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("head_dim,block_size,dtype,heads,splits", CASES)
+def test_paged_attention(impl, head_dim, block_size, dtype, heads, splits):
+    dtype = DTYPES[dtype]
+    batch = make_batch(mixed_seqs(block_size), head_dim, block_size, dtype, *HEADS[heads],
+                       seed=head_dim + block_size)
+    expected = reference_attention(**batch)
+    out = torch.full_like(batch["query"], float("nan"))
+    result = IMPLEMENTATIONS[impl].paged_attention(**batch, out=out, num_kv_splits=splits)
+    assert result is out and out.dtype == dtype
+    assert relative_error(out, expected) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_paged_attention_decode_batch(impl):
+    """The engine's hot case: one query per sequence; int64 index tensors accepted too."""
+    seqs = [(n, 1) for n in (7, 16, 64, 100, 255, 256, 300, 333)]
+    batch = make_batch(seqs, 64, 16, torch.float32, 9, 3, seed=1)
+    expected = reference_attention(**batch)
+    for key in ("block_tables", "seq_lens", "query_start_loc"):
+        batch[key] = batch[key].long()
+    for splits in (None, 1, 4):
+        batch["query"] = batch["query"].clone()  # fresh allocation: out below is new each time
+        out = IMPLEMENTATIONS[impl].paged_attention(**batch, num_kv_splits=splits)
+        assert relative_error(out, expected) <= 1e-5
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_paged_attention_prefill_only(impl):
+    """Whole prompts only (the torch causal fast path), of unequal lengths."""
+    batch = make_batch([(70, 70), (5, 5), (129, 129)], 64, 16, torch.float32, 4, 2, seed=2)
+    expected = reference_attention(**batch)
+    out = torch.full_like(batch["query"], float("nan"))
+    IMPLEMENTATIONS[impl].paged_attention(**batch, out=out)
+    assert relative_error(out, expected) <= 1e-5
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_store_kv(impl, slot_dtype):
+    num_blocks, block_size, num_kv_heads, head_dim = 5, 8, 3, 80
+    key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    value_cache = key_cache.clone()
+    key, value = torch.randn(2, 6, num_kv_heads, head_dim)
+    slots = torch.tensor([17, -1, 0, 39, -5, 8], dtype=slot_dtype)
+    IMPLEMENTATIONS[impl].store_kv(key, value, key_cache, value_cache, slots)
+    flat_k, flat_v = key_cache.view(-1, num_kv_heads, head_dim), value_cache.view(-1, num_kv_heads, head_dim)
+    kept = slots >= 0
+    assert torch.equal(flat_k[slots[kept].long()], key[kept])
+    assert torch.equal(flat_v[slots[kept].long()], value[kept])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[kept].long()] = False
+    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_store_kv_strided_bf16(impl):
+    """Keys as the model hands them over ([1, Hkv, T, D] transposed: not contiguous), into a bf16 cache."""
+    key_cache = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
+    value_cache = torch.zeros_like(key_cache)
+    key = torch.randn(1, 2, 10, 64, dtype=torch.bfloat16)[0].transpose(0, 1)
+    value = torch.randn(1, 2, 10, 64, dtype=torch.bfloat16)[0].transpose(0, 1)
+    slots = torch.arange(20, 30)
+    IMPLEMENTATIONS[impl].store_kv(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache.view(-1, 2, 64)[20:30], key)
+    assert torch.equal(value_cache.view(-1, 2, 64)[20:30], value)
+
+
+def test_dispatch_under_interpreter(monkeypatch):
+    """The package-level functions reach the Triton kernels when TRITON_INTERPRET=1 (set in conftest)."""
+    calls = []
+    monkeypatch.setattr(triton_ops, "store_kv", lambda *args: calls.append("triton"))
+    monkeypatch.setattr(torch_ops, "store_kv", lambda *args: calls.append("torch"))
+    kernels.store_kv(*[torch.zeros(1)] * 5)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    kernels.store_kv(*[torch.zeros(1)] * 5)
+    assert calls == ["triton", "torch"]
