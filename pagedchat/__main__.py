@@ -1,0 +1,3 @@
+from pagedchat.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,164 @@
+"""`pagedchat`: check everything that can be checked, then open the app.
+
+A bad flag or model is refused before the screen opens: one line on stderr, exit 2. A failure while
+the model loads inside the app restores the terminal, prints one line and exits 1. Tracebacks go to
+a log file in the user's state directory, which the line names.
+"""
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from pagedchat import __version__
+from pagedchat.tui.themes import DEFAULT_THEME, load_themes
+
+# The engine's pool when neither --num-blocks nor --kv-memory is given (pagedchat.engine.llm's
+# DEFAULT_NUM_KV_BLOCKS; a test keeps them equal). Written out so `--help` need not import torch.
+DEFAULT_POOL_BLOCKS = 512
+
+
+class UsageError(Exception):
+    """A flag value that cannot work; the message is the line shown."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse prints usage plus the error; a user gets one line that says what to fix."""
+
+    def error(self, message: str):
+        self.exit(2, f"pagedchat: error: {message} (see pagedchat --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="pagedchat",
+        description="Chat with a local LLM in several tabs at once and watch its paged KV cache live.",
+        epilog=f"The KV pool defaults to {DEFAULT_POOL_BLOCKS} blocks (of --block-size tokens) when neither "
+               "--num-blocks nor --kv-memory is given: for the default model (SmolLM2-135M-Instruct) "
+               "that is 8,192 tokens, about 190 MB in bfloat16. Keys: f1 in the app.",
+    )
+    parser.add_argument("--model", metavar="PATH",
+                        help="a Hugging Face model folder or a .gguf file (default: SmolLM2-135M-Instruct, "
+                             "installed on first use)")
+    parser.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (16)")
+    pool = parser.add_mutually_exclusive_group()
+    pool.add_argument("--num-blocks", type=int, metavar="N",
+                      help=f"KV blocks in the pool (default {DEFAULT_POOL_BLOCKS})")
+    pool.add_argument("--kv-memory", metavar="SIZE", help="size the pool by memory instead, like 256MiB or 2GB")
+    parser.add_argument("--max-model-len", type=int, metavar="N",
+                        help="the longest conversation in tokens (default: the model's context, "
+                             "capped at the pool)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, metavar="N",
+                        help="sequences per engine step (64)")
+    parser.add_argument("--max-batched-tokens", type=int, default=1024, metavar="N",
+                        help="tokens per engine step; longer prompts are prefilled in chunks (1024)")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="do not share blocks of equal prefixes")
+    parser.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
+                        help="attention: triton on a GPU, torch on the CPU (auto)")
+    parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda", help="where the model runs (auto)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                        help="model and KV dtype (auto: bfloat16 where it is fast, else float32)")
+    parser.add_argument("--theme", default=DEFAULT_THEME, metavar="NAME",
+                        help=f"one of {', '.join(load_themes())} ({DEFAULT_THEME}); switch in the app with ctrl+p")
+    parser.add_argument("--demo", action="store_true",
+                        help="open tabs that chat by themselves from built-in prompts")
+    parser.add_argument("--no-history", action="store_true", help="do not save conversations")
+    parser.add_argument("--version", action="version", version=f"pagedchat {__version__}")
+    return parser
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """The flag values alone, before anything heavy is imported."""
+    for flag in ("block_size", "num_blocks", "max_model_len", "max_num_seqs", "max_batched_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.theme not in load_themes():
+        raise UsageError(f"unknown theme {args.theme!r}: choose one of {', '.join(load_themes())}")
+    if args.model is not None and not Path(args.model).expanduser().exists():
+        raise UsageError(f"model not found: {args.model}")
+
+
+def check_model(args: argparse.Namespace) -> dict:
+    """Path, config, architecture, tokenizer, device, dtype, backend and pool size: the LLM's keyword
+    arguments once all of them are known to work. May install or convert the model (with progress)."""
+    from pagedchat.engine import loader
+    from pagedchat.engine.llm import kv_pool_blocks, pick_attention_ops
+    from pagedchat.engine.model_runner import KVLayout
+
+    device = loader.resolve_device(args.device)
+    dtype = loader.resolve_dtype(args.dtype, device)
+    pick_attention_ops(args.backend, device.type)
+    path = loader.resolve_model(args.model)
+    config = loader.check_model(path, args.max_model_len)
+    num_blocks = kv_pool_blocks(config, args.block_size, args.num_blocks, args.kv_memory, dtype)
+    pool_bytes = num_blocks * KVLayout.of(config).bytes_per_block(args.block_size, dtype)
+    available = _available_memory(device)
+    if available is not None and pool_bytes > available:
+        raise UsageError(f"a pool of {num_blocks} blocks needs {pool_bytes / 2**20:.0f} MiB but only "
+                         f"{available / 2**20:.0f} MiB are free on {device.type}: use fewer --num-blocks")
+    if args.max_model_len is not None and args.max_model_len > num_blocks * args.block_size:
+        raise UsageError(f"--max-model-len {args.max_model_len} does not fit the pool of {num_blocks} blocks "
+                         f"x {args.block_size} = {num_blocks * args.block_size} tokens")
+    return dict(model=path, block_size=args.block_size, num_kv_blocks=num_blocks,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_batched_tokens,
+                enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.backend,
+                dtype=args.dtype, device=args.device)
+
+
+def _available_memory(device) -> int | None:
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info(device)[0]
+    try:  # MemAvailable counts reclaimable page cache too, unlike the free pages sysconf gives
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:  # not Linux: let the engine find out
+        return None
+    for line in meminfo.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "pagedchat"
+
+
+def log_to_file() -> Path:
+    """Send logging (and so every traceback) to the state dir, never to the screen the app draws."""
+    path = state_dir() / "pagedchat.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    log_path = log_to_file()
+    try:
+        check_flags(args)
+        from pagedchat.engine.loader import ModelError
+
+        try:
+            llm_kwargs = check_model(args)
+        except (ModelError, ValueError) as exc:
+            raise UsageError(str(exc).strip().splitlines()[0]) from exc
+    except UsageError as exc:
+        print(f"pagedchat: error: {exc}", file=sys.stderr)
+        return 2
+
+    from pagedchat.engine.llm import LLM
+    from pagedchat.tui.app import PagedChatApp
+
+    app = PagedChatApp(lambda: LLM(**llm_kwargs), model_name=Path(llm_kwargs["model"]).name,
+                       theme=args.theme, demo=args.demo)
+    app.run()
+    if app.load_error is not None:
+        print(f"pagedchat: error: {app.load_error} (details in {log_path})", file=sys.stderr)
+        return 1
+    return app.return_code or 0
