@@ -9,6 +9,7 @@ from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.screen import Screen
+from textual.timer import Timer
 from textual.widgets import Footer, TabbedContent, Tabs
 
 from pagedchat.engine.chat import ChatSession
@@ -79,6 +80,8 @@ class PagedChatApp(App):
         self._tabs_opened = 0
         self._labels: dict[str, tuple] = {}
         self._snapshot: KVSnapshot | None = None
+        self._poll_timer: Timer | None = None
+        self._quiet_polls = 0
         self._demo_on = demo
         self._demo_scripts = demo_scripts()
         self._demo_tabs: dict[str, Iterator[str]] = {}
@@ -121,10 +124,10 @@ class PagedChatApp(App):
         self._tokenizer = llm.get_tokenizer()
         engine = llm.engine
         self._max_len = engine.config.max_model_len
-        self.worker = EngineWorker(engine)
+        self.worker = EngineWorker(engine, on_command=self._wake)
         self.worker.start()
         self.pop_screen()
-        self.set_interval(1 / POLL_HZ, self._poll)
+        self._poll_timer = self.set_interval(1 / POLL_HZ, self._poll)
         if self._demo_on:
             await self._start_demo()
         else:
@@ -292,8 +295,20 @@ class PagedChatApp(App):
         snapshot = self.worker.snapshot
         if snapshot is not self._snapshot:
             self._snapshot = snapshot
+            self._quiet_polls = 0
             self.query_one(KVPanel).show(snapshot, self._tag_of, self._decode)
+        elif not any(pane.replying for pane in self._panes.values()):
+            # The engine moves only on a command from this UI: after a quiet second, stop polling
+            # until the next command (`_wake`), so an idle app costs nothing.
+            self._quiet_polls += 1
+            if self._quiet_polls > POLL_HZ:
+                self._poll_timer.pause()
         self._update_labels()
+
+    def _wake(self) -> None:
+        self._quiet_polls = 0
+        if self._poll_timer is not None:
+            self._poll_timer.resume()
 
     def _tag_of(self, request_id: str) -> SessionTag:
         pane = self._panes.get(request_id.rsplit(".", 1)[0])

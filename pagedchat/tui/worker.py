@@ -44,8 +44,9 @@ class EngineError(Message):
 class EngineWorker:
     """Owns the engine and its thread. Every public method is called from the UI thread."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, on_command: Callable[[], None] = lambda: None) -> None:
         self._engine = engine
+        self._on_command = on_command  # tells the UI that the engine is about to move
         self._cond = threading.Condition()
         self._commands: deque[tuple[str | None, Callable[[], None]]] = deque()
         self._sinks: dict[str, MessagePump] = {}  # touched by the engine thread only
@@ -81,6 +82,7 @@ class EngineWorker:
         return self._delay
 
     def set_paused(self, paused: bool) -> None:
+        self._on_command()
         with self._cond:
             self._paused = paused
             self._steps_allowed = 0
@@ -88,11 +90,13 @@ class EngineWorker:
 
     def step_once(self) -> None:
         """While paused, let exactly one more step run."""
+        self._on_command()
         with self._cond:
             self._steps_allowed += 1
             self._cond.notify()
 
     def set_delay(self, seconds: float) -> None:
+        self._on_command()
         with self._cond:
             self._delay = max(0.0, seconds)
             self._next_step_at = 0.0
@@ -139,6 +143,7 @@ class EngineWorker:
         self._submit(request_id, run)
 
     def _submit(self, request_id: str | None, command: Callable[[], None]) -> None:
+        self._on_command()
         with self._cond:
             self._commands.append((request_id, command))
             self._cond.notify()
