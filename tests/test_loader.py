@@ -260,6 +260,13 @@ def test_gguf_converts_once_into_the_cache(tiny_model, tmp_path, cache_home, cap
     assert time.monotonic() - started < 2
 
 
+def test_conversion_shows_progress(tiny_model, tmp_path, capsys):
+    resolve_model(write_gguf(tiny_model, tmp_path / "tiny.gguf"), progress=True)
+    err = capsys.readouterr().err
+    assert "Converting tiny.gguf" in err and "Converted in" in err
+    assert "Converting and de-quantizing" not in err  # transformers' own tqdm bar is replaced
+
+
 def test_interrupted_conversion_leaves_nothing(tiny_model, tmp_path, cache_home, monkeypatch):
     def interrupted(gguf_file, out, progress):
         (out / "config.json").write_text("{}")

@@ -160,7 +160,7 @@ def _write_converted(gguf_file: Path, out: Path, *, progress: bool) -> None:
             step("tokenizer")
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
             step("weights (dequantizing)")
-            with mock.patch.object(gguf_loading, "tqdm", track):
+            with mock.patch.object(gguf_loading, "tqdm", track, create=True):
                 # bf16, the dtype such models are trained and published in: half the disk of fp32, and its
                 # rounding is far below the 4-8 bit quantization steps the weights come from.
                 model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
@@ -168,7 +168,7 @@ def _write_converted(gguf_file: Path, out: Path, *, progress: bool) -> None:
             # The GGUF quantizer marks the model as quantized, which save_pretrained refuses; the weights
             # are already dequantized to plain tensors, so the marker is all there is to drop.
             model.hf_quantizer = None
-            del model.config.quantization_config
+            vars(model.config).pop("quantization_config", None)
             model.save_pretrained(out)
             tokenizer.save_pretrained(out)
         except Exception as error:  # an unexpected tokenizer or tensor layout, a full disk, ...
@@ -184,8 +184,12 @@ def _read_gguf_once() -> Iterator[None]:
     rebuilds gguf's tensor-name table for every submodule: about half of a conversion. Memoize both."""
     import gguf
 
-    read = functools.cache(gguf.GGUFReader)
-    with mock.patch.object(gguf, "GGUFReader", lambda path, mode="r": read(str(Path(path).resolve()), mode)), \
+    cached_reader = functools.cache(gguf.GGUFReader)
+
+    def reader(path, mode="r"):  # callers name the same file as str or Path, relative or not
+        return cached_reader(str(Path(path).resolve()), mode)
+
+    with mock.patch.object(gguf, "GGUFReader", reader), \
             mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
         yield
 
@@ -254,7 +258,10 @@ def _check_weights(path: Path) -> None:
         raise ModelError(f"{path} has no *.safetensors weights")
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, AttributeError) as error:
+            raise ModelError(f"{index} is not a valid safetensors index: {_one_line(error)}") from error
         if missing := sorted(s for s in shards if not (path / s).is_file()):
             raise ModelError(f"{path} misses weight shard {missing[0]} named in {index.name}")
     for file in files:
