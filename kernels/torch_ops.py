@@ -39,7 +39,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     num_kv_splits is accepted for parity with the Triton kernel; this implementation never splits.
     """
     if out is None:
-        out = torch.empty_like(query)
+        out = query.new_empty(query.shape)  # contiguous, whatever the layout of query
     seq_lens = seq_lens.long()
     query_start_loc = query_start_loc.long()
     q_lens = query_start_loc[1:] - query_start_loc[:-1]

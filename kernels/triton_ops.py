@@ -203,7 +203,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     assert group * num_kv_heads == num_q_heads, "Hkv must divide Hq"
     _check_caches(key_cache, value_cache)
     if out is None:
-        out = torch.empty_like(query)
+        out = query.new_empty(query.shape)  # contiguous, whatever the layout of query
     assert query.stride(2) == 1 and out.stride(2) == 1, "head_dim must be contiguous"
     if num_tokens == 0:
         return out
