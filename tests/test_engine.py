@@ -142,7 +142,8 @@ def test_abort_frees_or_parks(tiny_model):
     assert len(outs["keep"].token_ids) >= 2
     snap = engine.kv_snapshot()
     assert_invariants(snap)
-    assert snap.block_tables.keys() == {"keep"} and snap.block_tables["keep"]
+    assert snap.block_tables["keep"] and snap.block_tables["free"] == ()
+    assert {r.request_id: r.status for r in snap.requests} == {"free": "finished", "keep": "parked"}
     assert not engine.has_unfinished_requests()
     engine.release_request("keep")
     assert_all_free(engine.kv_snapshot())

@@ -57,6 +57,7 @@ class LLMEngine:
         self.step_count = 0
         self._reports: dict[str, None] = {}  # requests to report at the next step though they were not computed
         self._rate: deque[tuple[float, int]] = deque()
+        self._just_finished: list[Sequence] = []
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -155,7 +156,6 @@ class LLMEngine:
         """Schedule, run one packed forward, sample; return one RequestOutput per request that moved."""
         self.step_count += 1
         self.pool.step = self.step_count
-        self._drop_finished()
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         num_sampled = 0
@@ -196,7 +196,9 @@ class LLMEngine:
         now = time.perf_counter()
         self._rate.append((now, num_sampled))
         log.debug("step %d: %d seqs, %.1f ms", self.step_count, len(scheduled), (now - started) * 1e3)
-        return [self._output(request_id) for request_id in moved if request_id in self.groups]
+        outputs = [self._output(request_id) for request_id in moved if request_id in self.groups]
+        self._drop_finished(moved)
+        return outputs
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)
@@ -241,14 +243,14 @@ class LLMEngine:
             seq.status = Status.FINISHED
         seq.last_used_step = self.step_count
 
-    def _drop_finished(self) -> None:
-        """Forget requests that finished without keep once their last output went out."""
-        done = [
-            rid for rid, group in self.groups.items()
-            if rid not in self._reports and all(s.status is Status.FINISHED and not s.keep for s in group)
-        ]
-        for rid in done:
-            del self.groups[rid]
+    def _drop_finished(self, request_ids) -> None:
+        """Forget requests that finished without keep once their last output is out (their ids are free
+        again); the snapshot of this step still shows them."""
+        self._just_finished = []
+        for rid in request_ids:
+            group = self.groups.get(rid)
+            if group and all(s.status is Status.FINISHED and not s.keep for s in group):
+                self._just_finished += self.groups.pop(rid)
 
     def _output(self, request_id: str) -> RequestOutput:
         group = self.groups[request_id]
@@ -273,6 +275,7 @@ class LLMEngine:
         owners: dict[int, list[str]] = {}
         live = [seq for group in self.groups.values() for seq in group
                 if seq.status is not Status.FINISHED or seq.last_used_step == self.step_count]
+        live += self._just_finished
         for seq in live:
             for block_id in seq.block_table:
                 owners.setdefault(block_id, []).append(seq.seq_id)
