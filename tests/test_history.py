@@ -1,0 +1,66 @@
+"""The SQLite chat store: what is written survives a new process, a reply in progress included."""
+
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from pagedchat.history import SCHEMA_VERSION, History
+
+
+def test_chats_round_trip_and_closed_tabs_are_not_offered(tmp_path):
+    path = tmp_path / "h.sqlite3"
+    store = History(path)
+    a = store.new_chat("chat 1", "Be brief.", {"temperature": 0.7})
+    b = store.new_chat("chat 2")
+    store.add_message(a, "user", "Hi")
+    reply = store.add_message(a, "assistant", "Hel", complete=False)
+    store.update_message(reply, "Hello!", complete=True)
+    store.add_message(b, "user", "Bye")
+    store.close_chat(b)
+    store.close()
+
+    chats = History(path).open_chats()
+    assert [c.chat_id for c in chats] == [a]
+    assert chats[0].system_prompt == "Be brief." and chats[0].settings == {"temperature": 0.7}
+    assert chats[0].messages == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_killed_writer_loses_nothing_it_wrote(tmp_path):
+    """A process killed with SIGKILL right after writing: every message it wrote is there."""
+    path = tmp_path / "h.sqlite3"
+    script = (
+        "import os, signal\n"
+        "from pathlib import Path\n"
+        "from pagedchat.history import History\n"
+        f"h = History(Path({str(path)!r}))\n"
+        "c = h.new_chat('t')\n"
+        "h.add_message(c, 'user', 'question')\n"
+        "m = h.add_message(c, 'assistant', 'partial', complete=False)\n"
+        "h.update_message(m, 'partial answer so far', complete=False)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script])
+    assert proc.returncode == -9
+    (chat,) = History(path).open_chats()
+    assert chat.messages == [{"role": "user", "content": "question"},
+                             {"role": "assistant", "content": "partial answer so far"}]
+
+
+def test_export_markdown_marks_cut_off_replies(tmp_path):
+    store = History(tmp_path / "h.sqlite3")
+    chat = store.new_chat("Trip", "You plan trips.")
+    store.add_message(chat, "user", "Where to?")
+    store.add_message(chat, "assistant", "The sea, or", complete=False)
+    text = store.export_markdown(chat)
+    assert text.startswith("# Trip\n") and "You plan trips." in text
+    assert "## User\n\nWhere to?" in text and "## Assistant (cut off)\n\nThe sea, or" in text
+
+
+def test_newer_schema_is_refused(tmp_path):
+    path = tmp_path / "h.sqlite3"
+    sqlite3.connect(path).execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(RuntimeError, match="newer"):
+        History(path)
