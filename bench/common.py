@@ -1,0 +1,245 @@
+"""What every benchmark shares: the machine's description, settings, workloads, timing and tables.
+
+Absolute times on a 2-core machine shared with other jobs mean little, so each benchmark runs its
+peers side by side in one process and reports ratios; the header records what the machine was
+doing (load average) so a reader can judge the noise.
+"""
+
+import importlib.metadata
+import os
+import platform
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+# CPU features that decide which dtype is fast: without avx512_bf16 or AMX, bf16 matmuls are emulated.
+INTERESTING_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---- results ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Table:
+    headers: list[str]
+    rows: list[list[object]]
+    title: str = ""
+
+    def markdown(self) -> str:
+        lines = [f"**{self.title}**", ""] if self.title else []
+        lines.append("| " + " | ".join(self.headers) + " |")
+        lines.append("|" + "|".join("---" for _ in self.headers) + "|")
+        lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in self.rows]
+        return "\n".join(lines)
+
+
+@dataclass
+class Section:
+    """One benchmark's report: settings line(s), tables, and what it concludes against its goal."""
+
+    title: str
+    settings: list[str] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    chart: dict[str, float] = field(default_factory=dict)  # label -> ratio, drawn by bench/chart.py
+
+    def markdown(self) -> str:
+        parts = [f"## {self.title}", ""]
+        parts += [f"- {line}" for line in self.settings]
+        for table in self.tables:
+            parts += ["", table.markdown()]
+        if self.notes:
+            parts.append("")
+            parts += [f"- {line}" for line in self.notes]
+        parts += ["", f"_{self.seconds:.0f} s_", ""]
+        return "\n".join(parts)
+
+
+def fmt(value: object) -> str:
+    if isinstance(value, float):
+        if value == 0 or abs(value) >= 100:
+            return f"{value:.0f}"
+        return f"{value:.2f}" if abs(value) >= 1 else f"{value:.3f}"
+    return str(value)
+
+
+def goal(name: str, value: float, target: float, higher_is_better: bool = True, unit: str = "x") -> str:
+    met = value >= target if higher_is_better else value <= target
+    sign = ">=" if higher_is_better else "<="
+    return f"goal {name} {sign} {target:g}{unit}: {value:.2f}{unit} -> {'met' if met else 'MISSED'}"
+
+
+# ---- the machine --------------------------------------------------------------------------------
+
+
+def cpu_description() -> dict[str, str]:
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "flags": " ".join(f for f in INTERESTING_FLAGS if f in flags) or "none of " + "/".join(INTERESTING_FLAGS),
+        "missing": " ".join(f for f in INTERESTING_FLAGS if f not in flags),
+        "cores": str(os.cpu_count()),
+        "torch_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for package in ("transformers", "pagedchat", "textual"):
+        try:
+            out[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            out[package] = "not installed"
+    return out
+
+
+def load_average() -> str:
+    try:
+        return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def header(settings: dict[str, object]) -> str:
+    cpu, ver = cpu_description(), versions()
+    lines = [
+        "# pagedchat benchmarks",
+        "",
+        f"- machine: {cpu['cpu']}, {cpu['cores']} cores, torch CPU capability {cpu['torch_capability']}; "
+        f"flags: {cpu['flags']}" + (f" (no {cpu['missing']})" if cpu["missing"] else ""),
+        f"- load average at start (1/5/15 min): {load_average()} -- other jobs share these cores; "
+        "compare ratios, not absolute times",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in ver.items()),
+    ]
+    lines += [f"- {k}: {v}" for k, v in settings.items()]
+    return "\n".join(lines) + "\n"
+
+
+# ---- timing -------------------------------------------------------------------------------------
+
+
+@contextmanager
+def stopwatch() -> Iterator[list[float]]:
+    """`with stopwatch() as t: ...` then t[0] holds the seconds."""
+    box = [0.0]
+    start = time.perf_counter()
+    try:
+        yield box
+    finally:
+        box[0] = time.perf_counter() - start
+
+
+class Accumulator:
+    """Wraps a callable and adds up the seconds spent in it (e.g. the model forward inside a step)."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.seconds = 0.0
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+
+def matmul_gflops(dtype: torch.dtype, rows: int, k: int = 576, n: int = 1536, seconds: float = 0.5) -> float:
+    """GFLOP/s of F.linear [rows x k] x [k x n] (the default model's MLP shape), the compute ceiling."""
+    x = torch.randn(rows, k, dtype=dtype)
+    w = torch.randn(n, k, dtype=dtype)
+    with torch.inference_mode():
+        F.linear(x, w)
+        count, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds:
+            F.linear(x, w)
+            count += 1
+    return 2 * rows * k * n * count / elapsed / 1e9
+
+
+def configure_threads(threads: int | None) -> int:
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+# ---- workloads ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    output_len: int  # generated exactly (EOS ignored), so every peer does the same work
+
+
+def random_requests(n: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int], seed: int = 0,
+                    vocab: int = 49152) -> list[Request]:
+    """n requests with uniform lengths in the given ranges (inclusive); token ids avoid special tokens."""
+    rng = random.Random(seed)
+    return [
+        Request([rng.randrange(100, vocab - 100) for _ in range(rng.randint(*prompt_lens))], rng.randint(*output_lens))
+        for _ in range(n)
+    ]
+
+
+def fixed_requests(n: int, prompt_len: int, output_len: int, seed: int = 0, vocab: int = 49152) -> list[Request]:
+    return random_requests(n, (prompt_len, prompt_len), (output_len, output_len), seed, vocab)
+
+
+def describe(requests: Sequence[Request]) -> str:
+    p = [len(r.prompt) for r in requests]
+    o = [r.output_len for r in requests]
+    return (f"{len(requests)} requests, prompts {min(p)}..{max(p)} tokens (mean {sum(p) / len(p):.0f}), "
+            f"outputs {min(o)}..{max(o)} tokens (mean {sum(o) / len(o):.0f})")
+
+
+# ---- models -------------------------------------------------------------------------------------
+
+
+def load_llm(model: str | None, dtype: str, **engine_args):
+    from pagedchat import LLM
+
+    return LLM(model=model, dtype=dtype, device="cpu", **engine_args)
+
+
+def load_hf(model_path, dtype: str, attn_implementation: str = "sdpa"):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # a loading bar per peer would bury the tables
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
+    return model.eval()
+
+
+def num_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def stub_forward(engine) -> None:
+    """Replace the model forward by zeros logits: for measurements that depend only on token counts
+    (block usage, concurrency), where the real forward would cost hours on a CPU and change nothing."""
+    vocab = engine.runner.model.config.vocab_size
+
+    def forward(batch):
+        return torch.zeros(sum(1 for item in batch if item.samples), vocab)
+
+    engine.runner.forward = forward

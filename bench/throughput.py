@@ -1,0 +1,182 @@
+"""Throughput: `LLM.generate` against HF `generate` (static batches of 8, stock and GQA-folded) and
+against transformers' continuous batching, on the same requests, in one process.
+
+    python -m bench.throughput [--dtype bfloat16 float32] [--full] [--issue2]
+
+Two workloads: issue 6's chat-like mix (32 requests, prompts 16..512, outputs 16..256 with --full;
+scaled down by default so it ends in minutes on 2 busy cores) and issue 2's 16 chat prompts x 64 new
+tokens. Every request generates exactly its output length (EOS ignored), so every peer does the same
+useful work; a static batch still runs until its longest member is done, which is its waste.
+"""
+
+import argparse
+import math
+from collections.abc import Sequence
+
+from bench import hf_peers
+from bench.common import (
+    Request, Section, Table, configure_threads, describe, fixed_requests, goal, header, load_hf, load_llm,
+    matmul_gflops, num_parameters, random_requests, stopwatch,
+)
+
+# (requests, prompt length range, output length range) per size; the full size is issue 6's.
+MIX_SIZES = {
+    "full": (32, (16, 512), (16, 256)),
+    "default": (16, (16, 256), (16, 96)),
+    "quick": (8, (16, 96), (8, 32)),
+    "smoke": (3, (4, 12), (2, 4)),
+}
+ISSUE2_SIZES = {"full": 64, "default": 64, "quick": 16, "smoke": 3}  # new tokens for each of 16 prompts
+STATIC_BATCH = 8
+BLOCK_SIZE = 16
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about autumn.", "Explain recursion to a child.",
+    "Give me three tips for better sleep.", "What is a prime number?", "Summarise the plot of Hamlet.",
+    "How do I boil an egg?", "Why is the sky blue?", "Name five fruits that are red.",
+    "What does a CPU cache do?", "Translate 'good morning' into Spanish.", "Tell me a joke about cats.",
+    "How far is the Moon from the Earth?", "What is photosynthesis?", "Suggest a name for a puppy.",
+    "What is the difference between weather and climate?",
+]
+
+PEERS = ("pagedchat", "HF generate, static batch 8", "HF generate, GQA folded", "transformers generate_batch")
+
+
+def chat_requests(tokenizer, output_len: int) -> list[Request]:
+    """Issue 2's workload: 16 single-question chats (the model's template) x output_len new tokens."""
+    return [
+        Request(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False), output_len)
+        for q in QUESTIONS
+    ]
+
+
+def pool_blocks(requests: Sequence[Request]) -> int:
+    """Blocks for every request at full length at once: throughput is measured without preemption."""
+    return sum(math.ceil((len(r.prompt) + r.output_len) / BLOCK_SIZE) for r in requests) + len(requests)
+
+
+def run_engine(llm, requests: Sequence[Request]) -> float:
+    from pagedchat import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    with stopwatch() as t:
+        outs = llm.generate([r.prompt for r in requests], params)
+    assert [len(o.token_ids) for o in outs] == [r.output_len for r in requests], "wrong output lengths"
+    return t[0]
+
+
+def measure(model: str | None, dtype: str, requests: Sequence[Request], repeats: int = 1) -> dict[str, float]:
+    """Best wall time of each peer over `repeats` rounds (peers interleaved, so load drifts hit all)."""
+    num_blocks = pool_blocks(requests)
+    llm = load_llm(model, dtype, num_kv_blocks=num_blocks, block_size=BLOCK_SIZE)
+    hf = load_hf(llm.model_path, dtype)
+    warm = requests[:2]
+    run_engine(llm, warm)  # first calls allocate; keep them out of every peer's time
+    hf_peers.hf_static(hf, warm)
+
+    def static(attn: str) -> float:
+        hf.set_attn_implementation(attn)
+        return hf_peers.hf_static(hf, requests, STATIC_BATCH)
+
+    def continuous() -> float:
+        hf.set_attn_implementation("sdpa")
+        return hf_peers.hf_continuous(hf, requests, num_blocks, BLOCK_SIZE)
+
+    runs = dict(zip(PEERS, (lambda: run_engine(llm, requests), lambda: static("sdpa"),
+                            lambda: static(hf_peers.FOLDED_SDPA), continuous)))
+    best = {name: math.inf for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            best[name] = min(best[name], fn())
+    best["_params"] = num_parameters(hf)
+    return best
+
+
+def report(title: str, dtype: str, requests: Sequence[Request], times: dict[str, float], goals: dict[str, float],
+           ceiling: dict[str, float], scaled: str = "") -> Section:
+    generated = sum(r.output_len for r in requests)
+    prompt = sum(len(r.prompt) for r in requests)
+    ours = times["pagedchat"]
+    rows = []
+    for name in PEERS:
+        ratio = times[name] / ours
+        target = goals.get(name)
+        rows.append([name, times[name], generated / times[name], ratio,
+                     f">= {target:g}x: {'met' if ratio >= target else 'MISSED'}" if target else ""])
+    # The ceiling: the time the matmuls alone would need at the machine's measured GFLOP/s (decode
+    # tokens at the decode batch's rate, prompt tokens at a large batch's rate), 2 x params FLOPs/token.
+    flops_per_token = 2 * times["_params"]
+    ideal = flops_per_token * (generated / ceiling["decode"] + prompt / ceiling["prefill"]) / 1e9
+    section = Section(
+        title,
+        settings=[f"workload: {describe(requests)}{scaled}", f"dtype {dtype}, greedy, EOS ignored; "
+                  f"static batches of {STATIC_BATCH} left-padded in arrival order; KV pool {pool_blocks(requests)} "
+                  f"blocks of {BLOCK_SIZE} for pagedchat and generate_batch (all requests fit: no preemption)"],
+        tables=[Table(["peer", "seconds", "generated tok/s", "its time / pagedchat's", "goal"], rows)],
+    )
+    section.notes.append(
+        f"compute ceiling: F.linear [B x 576]x[576 x 1536] measured at {ceiling['decode']:.1f} GFLOP/s (B = "
+        f"{ceiling['decode_rows']}, the decode batch) and {ceiling['prefill']:.1f} GFLOP/s (B = 512, prompts); "
+        f"2 x {times['_params'] / 1e6:.0f}M params FLOPs per token -> matmuls alone would take {ideal:.1f} s: "
+        f"pagedchat reaches {ideal / ours:.0%} of the ceiling ({(generated + prompt) * flops_per_token / ours / 1e9:.1f} "
+        "GFLOP/s achieved)")
+    section.chart = {f"{dtype}: {name}": times[name] / ours for name in PEERS[1:]}
+    return section
+
+
+def ceiling_for(dtype: str, decode_rows: int) -> dict[str, float]:
+    from bench.common import DTYPES
+
+    return {"decode": matmul_gflops(DTYPES[dtype], decode_rows), "prefill": matmul_gflops(DTYPES[dtype], 512),
+            "decode_rows": decode_rows}
+
+
+def mix_section(model: str | None, dtype: str, size: str, repeats: int = 1) -> Section:
+    n, prompts, outputs = MIX_SIZES[size]
+    requests = random_requests(n, prompts, outputs, seed=0)
+    with stopwatch() as t:
+        times = measure(model, dtype, requests, repeats)
+        ceiling = ceiling_for(dtype, min(n, 64))
+    scaled = "" if size == "full" else f" (scaled down from issue 6's 32 x 16..512 / 16..256: `--size full`)"
+    goals = {PEERS[1]: 2.0, PEERS[3]: 2.0, PEERS[2]: 1.5}
+    section = report(f"1. Throughput, chat-like mix ({dtype})", dtype, requests, times, goals, ceiling, scaled)
+    section.seconds = t[0]
+    return section
+
+
+def issue2_section(model: str | None, dtype: str, size: str, repeats: int = 1) -> Section:
+    from transformers import AutoTokenizer
+
+    from pagedchat.engine import loader
+
+    tokenizer = AutoTokenizer.from_pretrained(loader.resolve_model(model))
+    new_tokens = ISSUE2_SIZES[size]
+    requests = chat_requests(tokenizer, new_tokens)[: 3 if size == "smoke" else None]
+    with stopwatch() as t:
+        times = measure(model, dtype, requests, repeats)
+        ceiling = ceiling_for(dtype, len(requests))
+    scaled = "" if new_tokens == 64 else f" (scaled down from 64 new tokens: `--size default`)"
+    section = report(f"Issue 2: 16 chat prompts x {new_tokens} new tokens ({dtype})", dtype, requests, times, {},
+                     ceiling, scaled)
+    section.chart = {}
+    section.seconds = t[0]
+    return section
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--size", choices=tuple(MIX_SIZES), default="default")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    threads = configure_threads(args.threads)
+    print(header({"torch threads": threads}))
+    for dtype in args.dtype:
+        print(mix_section(args.model, dtype, args.size, args.repeats).markdown())
+        print(issue2_section(args.model, dtype, args.size, args.repeats).markdown())
+
+
+if __name__ == "__main__":
+    main()
