@@ -13,6 +13,7 @@ prefix and decode in a single launch for a mixed batch:
   as fp32 partial results, which a second kernel merges by their log-sum-exp.
 """
 
+import functools
 import os
 
 import torch
@@ -21,11 +22,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
-# The interpreter pays ~ms of Python per loop iteration and per program, whatever the tile size:
-# there, larger tiles mean fewer of both. On a GPU, register pressure decides.
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-PREFILL_BLOCK_M = 128 if INTERPRETING else 64
-TILE_N = 128 if INTERPRETING else 64
 MAX_KV_SPLITS = 16
 MIN_KEYS_PER_SPLIT = 256
 
@@ -201,6 +198,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     num_kv_heads = key_cache.shape[2]
     group = num_q_heads // num_kv_heads
     assert group * num_kv_heads == num_q_heads, "Hkv must divide Hq"
+    assert query.dtype == key_cache.dtype, "query and caches must share a dtype"
     _check_caches(key_cache, value_cache)
     if out is None:
         out = query.new_empty(query.shape)  # contiguous, whatever the layout of query
@@ -210,7 +208,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
     # every sequence has at least one query, so T == S means a pure decode batch (known without a sync)
     decode_only = num_tokens == num_seqs
-    block_m = max(16, triton.next_power_of_2(group)) if decode_only else max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    block_m, tile_n, num_warps = _tiles(decode_only, group, head_dim_pad, query.dtype)
     block_q = 1 if decode_only else block_m // group
     splits = _num_splits(num_kv_splits, decode_only, num_seqs * num_kv_heads,
                          block_tables.shape[1] * key_cache.shape[1], query.device)
@@ -227,9 +226,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         partial_out, partial_lse, scale * LOG2E, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=key_cache.shape[1], GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
-        TILE_N=TILE_N, NUM_SPLITS=splits, UPCAST=INTERPRETING and key_cache.dtype == torch.bfloat16)
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=key_cache.shape[1], GROUP=group,
+        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, NUM_SPLITS=splits,
+        UPCAST=INTERPRETING and key_cache.dtype == torch.bfloat16, num_warps=num_warps)
     if splits > 1:
         num_rows = num_tokens * num_q_heads
         rows_per_program = 64 if INTERPRETING else 1
@@ -241,6 +240,19 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return out
 
 
+def _tiles(decode_only: bool, group: int, head_dim_pad: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, TILE_N, num_warps). A decode tile holds one query token's group of heads."""
+    group_rows = max(16, triton.next_power_of_2(group))  # tl.dot wants M >= 16
+    if INTERPRETING:  # ~ms of Python per program and per loop iteration, whatever the tile size
+        return (group_rows if decode_only else max(128, group_rows)), 128, 4
+    # Sized by ptxas on sm_90 to stay clear of register spills: the gathered K/V tiles take one
+    # pointer per vector, and fp32 dots with IEEE precision run on FMA units with wide layouts.
+    num_warps = 8 if head_dim_pad >= 128 or dtype == torch.float32 else 4
+    if decode_only or dtype == torch.float32:
+        return group_rows, 32, num_warps
+    return max(64, group_rows), 32, num_warps
+
+
 def _num_splits(requested: int | None, decode_only: bool, num_programs: int, max_context: int,
                 device: torch.device) -> int:
     """Split the keys only when a decode batch alone would leave most of the GPU idle."""
@@ -249,9 +261,13 @@ def _num_splits(requested: int | None, decode_only: bool, num_programs: int, max
         return requested
     if INTERPRETING or not decode_only or device.type != "cuda":
         return 1
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = triton.cdiv(2 * num_sms, num_programs)
+    wanted = triton.cdiv(2 * _num_sms(device), num_programs)
     return max(1, min(wanted, MAX_KV_SPLITS, triton.cdiv(max_context, MIN_KEYS_PER_SPLIT)))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
