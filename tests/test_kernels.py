@@ -33,7 +33,8 @@ def make_batch(seqs: list[tuple[int, int]], head_dim: int, block_size: int, dtyp
     num_blocks = sum(blocks_needed) + 3  # spare blocks stay NaN, like freed ones
     order = torch.randperm(num_blocks, generator=gen)
     max_blocks = max(blocks_needed) + 1
-    block_tables = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)
+    # spare entries point nowhere: an implementation that followed one would fail loudly
+    block_tables = torch.full((len(seqs), max_blocks), torch.iinfo(torch.int32).max, dtype=torch.int32)
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
     key_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
     value_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
@@ -125,8 +126,8 @@ def test_paged_attention_decode_batch(impl):
     for key in ("block_tables", "seq_lens", "query_start_loc"):
         batch[key] = batch[key].long()
     for splits in (None, 1, 4):
-        batch["query"] = batch["query"].clone()  # fresh allocation: out below is new each time
-        out = IMPLEMENTATIONS[impl].paged_attention(**batch, num_kv_splits=splits)
+        out = torch.full_like(batch["query"], float("nan"))
+        IMPLEMENTATIONS[impl].paged_attention(**batch, out=out, num_kv_splits=splits)
         assert relative_error(out, expected) <= 1e-5
 
 
@@ -137,6 +138,17 @@ def test_paged_attention_prefill_only(impl):
     expected = reference_attention(**batch)
     out = torch.full_like(batch["query"], float("nan"))
     IMPLEMENTATIONS[impl].paged_attention(**batch, out=out)
+    assert relative_error(out, expected) <= 1e-5
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_paged_attention_strided_query(impl):
+    """The query as the model hands it over ([1, H, T, D] transposed); the result is a new contiguous tensor."""
+    batch = make_batch([(20, 20), (33, 1), (50, 6)], 64, 8, torch.float32, 4, 2, seed=3)
+    expected = reference_attention(**batch)
+    batch["query"] = batch["query"].transpose(0, 1).contiguous().transpose(0, 1)
+    out = IMPLEMENTATIONS[impl].paged_attention(**batch)
+    assert out.is_contiguous() and out.dtype == torch.float32
     assert relative_error(out, expected) <= 1e-5
 
 
