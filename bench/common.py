@@ -5,6 +5,7 @@ peers side by side in one process and reports ratios; the header records what th
 doing (load average) so a reader can judge the noise.
 """
 
+import argparse
 import importlib.metadata
 import os
 import platform
@@ -163,23 +164,52 @@ class Accumulator:
             self.calls += 1
 
 
-def matmul_gflops(dtype: torch.dtype, rows: int, k: int = 576, n: int = 1536, seconds: float = 0.5) -> float:
-    """GFLOP/s of F.linear [rows x k] x [k x n] (the default model's MLP shape), the compute ceiling."""
-    x = torch.randn(rows, k, dtype=dtype)
-    w = torch.randn(n, k, dtype=dtype)
+def layer_shapes(config) -> list[tuple[int, int]]:
+    """(in, out) features of one decoder layer's linears: q, k, v, o, gate, up, down."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    return [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, inter), (hidden, inter), (inter, hidden)]
+
+
+def matmul_gflops(dtype: torch.dtype, rows: int, shapes: Sequence[tuple[int, int]] = ((576, 1536),),
+                  seconds: float = 0.5) -> float:
+    """GFLOP/s of F.linear at `rows` rows over the given (in, out) weight shapes: the compute ceiling
+    (with a model's layer_shapes, exactly the matmuls one of its layers does per step)."""
+    xs = {k: torch.randn(rows, k, dtype=dtype) for k, _ in shapes}
+    ws = [torch.randn(n, k, dtype=dtype) for k, n in shapes]
+    flops = sum(2 * rows * k * n for k, n in shapes)
     with torch.inference_mode():
-        F.linear(x, w)
+        for w in ws:
+            F.linear(xs[w.shape[1]], w)
         count, start = 0, time.perf_counter()
         while (elapsed := time.perf_counter() - start) < seconds:
-            F.linear(x, w)
+            for w in ws:
+                F.linear(xs[w.shape[1]], w)
             count += 1
-    return 2 * rows * k * n * count / elapsed / 1e9
+    return flops * count / elapsed / 1e9
 
 
 def configure_threads(threads: int | None) -> int:
     if threads:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+def arg_parser(doc: str, dtypes: list[str]) -> argparse.ArgumentParser:
+    """The flags every benchmark script has; add its own, then call `start`."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a model folder or .gguf (default: the default model)")
+    parser.add_argument("--dtype", nargs="+", default=dtypes)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: see bench/run.py)")
+    return parser
+
+
+def start(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse, set the torch threads, print the header."""
+    args = parser.parse_args()
+    print(header({"torch threads": configure_threads(args.threads)}))
+    return args
 
 
 # ---- workloads ----------------------------------------------------------------------------------
@@ -195,10 +225,12 @@ def random_requests(n: int, prompt_lens: tuple[int, int], output_lens: tuple[int
                     vocab: int = 49152) -> list[Request]:
     """n requests with uniform lengths in the given ranges (inclusive); token ids avoid special tokens."""
     rng = random.Random(seed)
-    return [
-        Request([rng.randrange(100, vocab - 100) for _ in range(rng.randint(*prompt_lens))], rng.randint(*output_lens))
-        for _ in range(n)
-    ]
+    return [Request(random_tokens(rng, rng.randint(*prompt_lens), vocab), rng.randint(*output_lens)) for _ in range(n)]
+
+
+def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    margin = min(100, vocab // 4)  # special tokens sit at either end of a vocabulary
+    return [rng.randrange(margin, vocab - margin) for _ in range(n)]
 
 
 def fixed_requests(n: int, prompt_len: int, output_len: int, seed: int = 0, vocab: int = 49152) -> list[Request]:
@@ -213,6 +245,13 @@ def describe(requests: Sequence[Request]) -> str:
 
 
 # ---- models -------------------------------------------------------------------------------------
+
+
+def model_config(model: str | None):
+    """The model's config, read (and checked) without loading the weights."""
+    from pagedchat.engine import loader
+
+    return loader.check_model(loader.resolve_model(model), None)
 
 
 def load_llm(model: str | None, dtype: str, **engine_args):

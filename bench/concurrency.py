@@ -14,11 +14,11 @@ its output length): these numbers depend only on token counts and the scheduler,
 manager, which are the real ones. The real forward would take hours here and change nothing.
 """
 
-import argparse
 from dataclasses import dataclass
 
 from bench.common import (
-    DTYPES, Section, Table, configure_threads, describe, goal, header, load_llm, random_requests, stopwatch,
+    DTYPES, Section, Table, arg_parser, describe, goal, start, load_llm, model_config, random_requests,
+    stopwatch,
     stub_forward,
 )
 
@@ -70,12 +70,11 @@ def serve(engine, requests, reserve: int | None) -> Run:
 
 def concurrency_section(model: str | None, dtype: str, num_requests: int = 256, max_model_len: int = 2048,
                         prompt_lens=(16, 512), output_lens=(16, 256)) -> Section:
-    from pagedchat.engine import loader
     from pagedchat.engine.model_runner import KVLayout
 
     with stopwatch() as t:
-        requests = random_requests(num_requests, prompt_lens, output_lens, seed=1)
-        config = loader.check_model(loader.resolve_model(model), max_model_len)
+        config = model_config(model)
+        requests = random_requests(num_requests, prompt_lens, output_lens, seed=1, vocab=config.vocab_size)
         per_token = KVLayout.of(config).bytes_per_block(1, DTYPES[dtype])
         budget = CONTIGUOUS_SESSIONS * max_model_len * per_token
         paged_llm = load_llm(model, dtype, kv_cache_memory=budget, max_model_len=max_model_len,
@@ -114,15 +113,11 @@ def concurrency_section(model: str | None, dtype: str, num_requests: int = 256, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser = arg_parser(__doc__, ["bfloat16"])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args()
-    print(header({"torch threads": configure_threads(args.threads)}))
-    print(concurrency_section(args.model, args.dtype, args.requests, args.max_model_len).markdown())
+    args = start(parser)
+    print(concurrency_section(args.model, args.dtype[0], args.requests, args.max_model_len).markdown())
 
 
 if __name__ == "__main__":

@@ -8,11 +8,10 @@ The model forward is replaced by a stub (zeros logits, EOS ignored): block count
 counts, and the block pool, KV manager (copy-on-write included) and scheduler are the real ones.
 """
 
-import argparse
 import itertools
 import random
 
-from bench.common import Section, Table, configure_threads, header, load_llm, stopwatch, stub_forward
+from bench.common import Section, Table, arg_parser, start, load_llm, random_tokens, stopwatch, stub_forward
 
 KS = (2, 4, 8)
 FOLLOW_UP = 24  # tokens of each fork's or tab's own message
@@ -31,55 +30,61 @@ class Tracker:
             self.peak = max(self.peak, self.engine.pool.num_blocks - self.engine.pool.num_free)
 
 
-def tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(100, 49000) for _ in range(n)]
+class Tokens:
+    """Random token ids of the model's vocabulary, seeded: `tokens(n)`."""
+
+    def __init__(self, seed: int, vocab: int):
+        self.rng, self.vocab = random.Random(seed), vocab
+
+    def __call__(self, n: int) -> list[int]:
+        return random_tokens(self.rng, n, self.vocab)
 
 
-def forks(engine, k: int, rng, prompt: int, new: int, ids) -> int:
+def forks(engine, k: int, tokens: Tokens, prompt: int, new: int, ids) -> int:
     from pagedchat import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     root = f"conv{next(ids)}"
-    engine.add_request(root, tokens(rng, prompt), params, keep=True)
+    engine.add_request(root, tokens(prompt), params, keep=True)
     tracker = Tracker(engine)
     tracker.run()  # the first reply; the conversation is now parked, holding its blocks
     names = [root] + [f"{root}-fork{i}" for i in range(1, k)]
     for name in names[1:]:
         engine.fork_request(root, name)
     for name in names:  # each branch asks its own follow-up
-        engine.continue_request(name, tokens(rng, FOLLOW_UP), params)
+        engine.continue_request(name, tokens(FOLLOW_UP), params)
     tracker.run()
     for name in names:
         engine.release_request(name)
     return tracker.peak
 
 
-def forks_unshared(engine, k: int, rng, prompt: int, new: int, ids) -> int:
+def forks_unshared(engine, k: int, tokens: Tokens, prompt: int, new: int, ids) -> int:
     from pagedchat import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    history = tokens(rng, prompt + new)  # the same history length as the forked conversation's
+    history = tokens(prompt + new)  # the same history length as the forked conversation's
     for _ in range(k):
-        engine.add_request(f"sep{next(ids)}", history + tokens(rng, FOLLOW_UP), params)
+        engine.add_request(f"sep{next(ids)}", history + tokens(FOLLOW_UP), params)
     tracker = Tracker(engine)
     tracker.run()
     return tracker.peak
 
 
-def samples(engine, k: int, rng, prompt: int, new: int, ids) -> int:
+def samples(engine, k: int, tokens: Tokens, prompt: int, new: int, ids) -> int:
     from pagedchat import SamplingParams
 
-    engine.add_request(f"n{next(ids)}", tokens(rng, prompt),
+    engine.add_request(f"n{next(ids)}", tokens(prompt),
                        SamplingParams(n=k, temperature=1.0, seed=0, max_tokens=new, ignore_eos=True))
     tracker = Tracker(engine)
     tracker.run()
     return tracker.peak
 
 
-def samples_unshared(engine, k: int, rng, prompt: int, new: int, ids) -> int:
+def samples_unshared(engine, k: int, tokens: Tokens, prompt: int, new: int, ids) -> int:
     from pagedchat import SamplingParams
 
-    text = tokens(rng, prompt)
+    text = tokens(prompt)
     for i in range(k):
         engine.add_request(f"s{next(ids)}", text, SamplingParams(temperature=1.0, seed=i, max_tokens=new, ignore_eos=True))
     tracker = Tracker(engine)
@@ -87,15 +92,15 @@ def samples_unshared(engine, k: int, rng, prompt: int, new: int, ids) -> int:
     return tracker.peak
 
 
-def tabs(engine, k: int, rng, prompt: int, new: int, ids) -> int:
+def tabs(engine, k: int, tokens: Tokens, prompt: int, new: int, ids) -> int:
     """k tabs opened one after another (each once the previous one's prompt is in), same system prompt."""
     from pagedchat import SamplingParams
 
-    system = tokens(rng, prompt)
+    system = tokens(prompt)
     tracker = Tracker(engine)
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     for _ in range(k):
-        engine.add_request(f"tab{next(ids)}", system + tokens(rng, FOLLOW_UP), params)
+        engine.add_request(f"tab{next(ids)}", system + tokens(FOLLOW_UP), params)
         engine.step()
         tracker.peak = max(tracker.peak, engine.pool.num_blocks - engine.pool.num_free)
     tracker.run()
@@ -115,12 +120,13 @@ def sharing_section(model: str | None, dtype: str, prompt: int = 400, new: int =
         plain_llm = load_llm(model, dtype, enable_prefix_caching=False)
         for llm in (shared_llm, plain_llm):
             stub_forward(llm.engine)
+        vocab = shared_llm.engine.runner.model.config.vocab_size
         ids = itertools.count()
         rows = []
         for name, (with_sharing, without) in SCENARIOS.items():
             for k in ks:
-                shared = with_sharing(shared_llm.engine, k, random.Random(k), prompt, new, ids)
-                plain = without(plain_llm.engine, k, random.Random(k), prompt, new, ids)
+                shared = with_sharing(shared_llm.engine, k, Tokens(k, vocab), prompt, new, ids)
+                plain = without(plain_llm.engine, k, Tokens(k, vocab), prompt, new, ids)
                 rows.append([name, k, shared, plain, f"{1 - shared / plain:.0%}", f"{plain / shared:.2f}x"])
     block_size = shared_llm.engine.pool.block_size
     return Section(
@@ -137,15 +143,11 @@ def sharing_section(model: str | None, dtype: str, prompt: int = 400, new: int =
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="float32")
+    parser = arg_parser(__doc__, ["float32"])
     parser.add_argument("--prompt", type=int, default=400)
     parser.add_argument("--new", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args()
-    print(header({"torch threads": configure_threads(args.threads)}))
-    print(sharing_section(args.model, args.dtype, args.prompt, args.new).markdown())
+    args = start(parser)
+    print(sharing_section(args.model, args.dtype[0], args.prompt, args.new).markdown())
 
 
 if __name__ == "__main__":

@@ -9,24 +9,23 @@ tokens. Every request generates exactly its output length (EOS ignored), so ever
 useful work; a static batch still runs until its longest member is done, which is its waste.
 """
 
-import argparse
 import math
 from collections.abc import Sequence
 
 from bench import hf_peers
 from bench.common import (
-    Request, Section, Table, configure_threads, describe, fixed_requests, goal, header, load_hf, load_llm,
-    matmul_gflops, num_parameters, random_requests, stopwatch,
+    DTYPES, Request, Section, Table, arg_parser, describe, start, layer_shapes, load_hf, load_llm,
+    matmul_gflops, model_config, num_parameters, random_requests, stopwatch,
 )
 
 # (requests, prompt length range, output length range) per size; the full size is issue 6's.
 MIX_SIZES = {
     "full": (32, (16, 512), (16, 256)),
-    "default": (16, (16, 256), (16, 96)),
+    "default": (12, (16, 192), (8, 64)),
     "quick": (8, (16, 96), (8, 32)),
     "smoke": (3, (4, 12), (2, 4)),
 }
-ISSUE2_SIZES = {"full": 64, "default": 64, "quick": 16, "smoke": 3}  # new tokens for each of 16 prompts
+ISSUE2_SIZES = {"full": 64, "default": 24, "quick": 8, "smoke": 3}  # new tokens for each of 16 prompts
 STATIC_BATCH = 8
 BLOCK_SIZE = 16
 QUESTIONS = [
@@ -115,7 +114,7 @@ def report(title: str, dtype: str, requests: Sequence[Request], times: dict[str,
         tables=[Table(["peer", "seconds", "generated tok/s", "its time / pagedchat's", "goal"], rows)],
     )
     section.notes.append(
-        f"compute ceiling: F.linear [B x 576]x[576 x 1536] measured at {ceiling['decode']:.1f} GFLOP/s (B = "
+        f"compute ceiling: F.linear over one layer's weight shapes measured at {ceiling['decode']:.1f} GFLOP/s (B = "
         f"{ceiling['decode_rows']}, the decode batch) and {ceiling['prefill']:.1f} GFLOP/s (B = 512, prompts); "
         f"2 x {times['_params'] / 1e6:.0f}M params FLOPs per token -> matmuls alone would take {ideal:.1f} s: "
         f"pagedchat reaches {ideal / ours:.0%} of the ceiling ({(generated + prompt) * flops_per_token / ours / 1e9:.1f} "
@@ -124,20 +123,20 @@ def report(title: str, dtype: str, requests: Sequence[Request], times: dict[str,
     return section
 
 
-def ceiling_for(dtype: str, decode_rows: int) -> dict[str, float]:
-    from bench.common import DTYPES
-
-    return {"decode": matmul_gflops(DTYPES[dtype], decode_rows), "prefill": matmul_gflops(DTYPES[dtype], 512),
-            "decode_rows": decode_rows}
+def ceiling_for(model: str | None, dtype: str, decode_rows: int) -> dict[str, float]:
+    """Matmul GFLOP/s of one of the model's layers at the decode batch and at a prompt-sized batch."""
+    shapes = layer_shapes(model_config(model))
+    return {"decode": matmul_gflops(DTYPES[dtype], decode_rows, shapes),
+            "prefill": matmul_gflops(DTYPES[dtype], 512, shapes), "decode_rows": decode_rows}
 
 
 def mix_section(model: str | None, dtype: str, size: str, repeats: int = 1) -> Section:
     n, prompts, outputs = MIX_SIZES[size]
-    requests = random_requests(n, prompts, outputs, seed=0)
+    requests = random_requests(n, prompts, outputs, seed=0, vocab=model_config(model).vocab_size)
     with stopwatch() as t:
         times = measure(model, dtype, requests, repeats)
-        ceiling = ceiling_for(dtype, min(n, 64))
-    scaled = "" if size == "full" else f" (scaled down from issue 6's 32 x 16..512 / 16..256: `--size full`)"
+        ceiling = ceiling_for(model, dtype, min(n, 64))
+    scaled = "" if size == "full" else " (scaled down from issue 6's 32 x 16..512 / 16..256: `--size full`)"
     goals = {PEERS[1]: 2.0, PEERS[3]: 2.0, PEERS[2]: 1.5}
     section = report(f"1. Throughput, chat-like mix ({dtype})", dtype, requests, times, goals, ceiling, scaled)
     section.seconds = t[0]
@@ -154,8 +153,8 @@ def issue2_section(model: str | None, dtype: str, size: str, repeats: int = 1) -
     requests = chat_requests(tokenizer, new_tokens)[: 3 if size == "smoke" else None]
     with stopwatch() as t:
         times = measure(model, dtype, requests, repeats)
-        ceiling = ceiling_for(dtype, len(requests))
-    scaled = "" if new_tokens == 64 else f" (scaled down from 64 new tokens: `--size default`)"
+        ceiling = ceiling_for(model, dtype, len(requests))
+    scaled = "" if new_tokens == 64 else " (scaled down from issue 2's 64 new tokens: `--size full`)"
     section = report(f"Issue 2: 16 chat prompts x {new_tokens} new tokens ({dtype})", dtype, requests, times, {},
                      ceiling, scaled)
     section.chart = {}
@@ -164,15 +163,10 @@ def issue2_section(model: str | None, dtype: str, size: str, repeats: int = 1) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
+    parser = arg_parser(__doc__, ["bfloat16", "float32"])
     parser.add_argument("--size", choices=tuple(MIX_SIZES), default="default")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args()
-    threads = configure_threads(args.threads)
-    print(header({"torch threads": threads}))
+    args = start(parser)
     for dtype in args.dtype:
         print(mix_section(args.model, dtype, args.size, args.repeats).markdown())
         print(issue2_section(args.model, dtype, args.size, args.repeats).markdown())

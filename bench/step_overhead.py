@@ -1,0 +1,110 @@
+"""Step overhead: the share of a decode step spent outside the model's forward, at 1 and 32 running
+requests, and a profile of the engine's own code.
+
+    python -m bench.step_overhead [--running 1 32] [--steps 10]
+
+Requests are prefilled first; then every measured step is a pure decode step of all of them. Each
+step is followed by `kv_snapshot()`, as the app's engine thread does. Times are split into: the model
+call (the stock transformers forward, our attention inside), batch preparation (the rest of
+`runner.forward`: building input tensors), the rest of `step()` (scheduling, KV bookkeeping,
+sampling, detokenising, outputs) and the snapshot.
+"""
+
+import cProfile
+import pstats
+from pathlib import Path
+
+from bench.common import Accumulator, Section, Table, arg_parser, start, load_llm, random_requests, stopwatch
+
+OWN_CODE = (f"{Path('pagedchat', 'engine')}", "kernels")
+
+
+def decode_steps(llm, running: int, steps: int, prompt: int, profile: cProfile.Profile | None = None) -> dict:
+    from pagedchat import SamplingParams
+
+    engine = llm.engine
+    for i, r in enumerate(random_requests(running, (prompt, prompt), (1, 1), seed=running,
+                                                  vocab=engine.runner.model.config.vocab_size)):
+        engine.add_request(f"d{running}-{i}", r.prompt, SamplingParams(temperature=0.0, max_tokens=steps + 8,
+                                                                      ignore_eos=True))
+    while any(item.num_uncomputed > 1 for item in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill (the first decode step may come along; it is not measured)
+    model = engine.runner.model
+    runner_forward, model_forward = Accumulator(engine.runner.forward), Accumulator(model.forward)
+    engine.runner.forward, model.forward = runner_forward, model_forward
+    step_time = snapshot_time = 0.0
+    try:
+        for _ in range(steps):
+            with stopwatch() as t:
+                engine.step()
+            step_time += t[0]
+            with stopwatch() as t:
+                engine.kv_snapshot()
+            snapshot_time += t[0]
+    finally:
+        del engine.runner.forward, model.forward  # back to the class methods
+    if profile:  # separate steps: the profiler's own cost must not count in the times above
+        profile.enable()
+        for _ in range(min(steps, 4)):
+            engine.step()
+            engine.kv_snapshot()
+        profile.disable()
+    while engine.has_unfinished_requests():
+        engine.step()
+    total = step_time + snapshot_time
+    return dict(
+        running=running, step=total / steps, model=model_forward.seconds / steps,
+        prep=(runner_forward.seconds - model_forward.seconds) / steps,
+        rest=(step_time - runner_forward.seconds) / steps, snapshot=snapshot_time / steps,
+        outside_runner=1 - runner_forward.seconds / total, outside_model=1 - model_forward.seconds / total,
+    )
+
+
+def own_code_profile(profile: cProfile.Profile, top: int = 8) -> tuple[Table, float]:
+    """The engine's own functions (pagedchat/engine, kernels) by time spent in their own lines."""
+    stats = pstats.Stats(profile).stats
+    total = sum(tt for (_, _, tt, _, _) in stats.values())
+    own = [(key, tt, ct, nc) for key, (_, nc, tt, ct, _) in stats.items() if any(p in key[0] for p in OWN_CODE)]
+    own.sort(key=lambda item: item[1], reverse=True)
+    rows = [[f"{Path(file).parent.name}/{Path(file).name}:{line} {name}", calls, f"{tt / total:.1%}", f"{ct / total:.1%}"]
+            for (file, line, name), tt, ct, calls in own[:top]]
+    share = sum(tt for _, tt, _, _ in own) / total
+    return Table(["function", "calls", "own time", "with callees"], rows, "cProfile of the measured steps"), share
+
+
+def step_overhead_section(model: str | None, dtype: str, running=(1, 32), steps: int = 10, prompt: int = 128) -> Section:
+    with stopwatch() as t:
+        llm = load_llm(model, dtype)
+        decode_steps(llm, 1, 2, 16)  # warm-up: first calls allocate
+        profile = cProfile.Profile()
+        results = [decode_steps(llm, n, steps, prompt, profile if n == max(running) else None) for n in running]
+    rows = [[r["running"], r["step"] * 1e3, r["model"] * 1e3, r["prep"] * 1e3, r["rest"] * 1e3, r["snapshot"] * 1e3,
+             f"{r['outside_runner']:.1%}", f"{r['outside_model']:.1%}"] for r in results]
+    profile_table, own_share = own_code_profile(profile)
+    last = results[-1]
+    met = "met" if last["outside_model"] <= 0.10 else "MISSED"
+    return Section(
+        f"5. Step overhead ({dtype})",
+        settings=[f"decode steps of N running requests with {prompt}-token prompts, {steps} steps each, every "
+                  "step followed by kv_snapshot() as in the app; milliseconds per step"],
+        tables=[Table(["running", "step + snapshot", "model call", "batch preparation", "rest of step()",
+                       "kv_snapshot()", "outside runner.forward", "outside the model call"], rows), profile_table],
+        notes=[f"goal <= 10% outside the model forward at {last['running']} running: {last['outside_model']:.1%} "
+               f"(batch preparation counted as overhead) -> {met}",
+               f"the engine's own Python (pagedchat/engine and kernels/, own lines) is {own_share:.1%} of the "
+               f"profiled time at {last['running']} running; the rest is torch and transformers"],
+        seconds=t[0],
+    )
+
+
+def main() -> None:
+    parser = arg_parser(__doc__, ["bfloat16", "float32"])
+    parser.add_argument("--running", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--steps", type=int, default=10)
+    args = start(parser)
+    for dtype in args.dtype:
+        print(step_overhead_section(args.model, dtype, tuple(args.running), args.steps).markdown())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Smoke tests of the benchmark suite on the tiny model: each benchmark's core runs at minimal sizes and
+its report has the expected shape. Never timings: those belong to bench/RESULTS.md."""
+
+import pytest
+
+from bench import chart, concurrency, multiturn, sharing, step_overhead, throughput, ui_overhead
+from bench.common import Section, Table, fixed_requests, header, random_requests
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def columns(section: Section, index: int = 0) -> list[str]:
+    return section.tables[index].headers
+
+
+def test_table_markdown_has_a_row_per_entry():
+    text = Table(["a", "b"], [[1, 2.5], ["x", 0.001]], "t").markdown()
+    assert text.splitlines()[2:] == ["| a | b |", "|---|---|", "| 1 | 2.50 |", "| x | 0.001 |"]
+
+
+def test_header_names_machine_and_versions():
+    text = header({"torch threads": 1})
+    for word in ("machine:", "flags", "torch", "transformers", "pagedchat", "torch threads: 1"):
+        assert word in text
+
+
+def test_workloads_are_seeded_and_in_range():
+    a, b = random_requests(5, (3, 7), (1, 2), seed=3), random_requests(5, (3, 7), (1, 2), seed=3)
+    assert a == b and all(3 <= len(r.prompt) <= 7 and 1 <= r.output_len <= 2 for r in a)
+    assert {len(r.prompt) for r in fixed_requests(3, 4, 1)} == {4}
+
+
+def test_throughput_reports_every_peer(tiny_model):
+    section = throughput.mix_section(str(tiny_model), "float32", "smoke")
+    assert columns(section) == ["peer", "seconds", "generated tok/s", "its time / pagedchat's", "goal"]
+    assert [row[0] for row in section.tables[0].rows] == list(throughput.PEERS)
+    assert any("ceiling" in note for note in section.notes)
+
+
+def test_concurrency_compares_paged_and_contiguous(tiny_model):
+    section = concurrency.concurrency_section(str(tiny_model), "float32", num_requests=12, max_model_len=64,
+                                              prompt_lens=(4, 24), output_lens=(2, 8))
+    rows = section.tables[0].rows
+    assert len(rows) == 2 and "peak running" in columns(section)
+    assert rows[1][1] <= concurrency.CONTIGUOUS_SESSIONS  # the contiguous side never admits more than 8
+
+
+def test_multiturn_has_every_mode(tiny_model):
+    section = multiturn.multiturn_section(str(tiny_model), "float32", turns=2, reply_tokens=2)
+    assert [row[0] for row in section.tables[0].rows] == [*multiturn.MODES, "HF generate, recomputing"]
+    assert columns(section) == ["history between turns", "turn 1", "turn 2", "turn 2 / turn 1"]
+
+
+def test_step_overhead_splits_the_step(tiny_model):
+    section = step_overhead.step_overhead_section(str(tiny_model), "float32", running=(1, 2), steps=2, prompt=8)
+    assert [row[0] for row in section.tables[0].rows] == [1, 2]
+    assert "model call" in columns(section) and "function" in columns(section, 1)
+
+
+def test_sharing_uses_fewer_blocks(tiny_model):
+    section = sharing.sharing_section(str(tiny_model), "float32", prompt=40, new=4, ks=(2,))
+    rows = section.tables[0].rows
+    assert len(rows) == len(sharing.SCENARIOS)
+    assert all(shared < plain for _, _, shared, plain, _, _ in rows)
+
+
+def test_ui_overhead_runs_the_app(tiny_model):
+    section = ui_overhead.ui_overhead_section(str(tiny_model), "float32", tabs=2, reply=3, rounds=1)
+    assert [row[0] for row in section.tables[0].rows][1] == "app (Pilot, headless)"
+
+
+def test_chart_is_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "c.png"
+    assert chart.draw({"a": 2.0, "b": 0.5}, path, "test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
