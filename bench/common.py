@@ -49,7 +49,7 @@ class Section:
     tables: list[Table] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    chart: dict[str, float] = field(default_factory=dict)  # label -> ratio, drawn by bench/chart.py
+    chart: dict[str, tuple[float, float | None]] = field(default_factory=dict)  # label -> (ratio, goal)
 
     def markdown(self) -> str:
         parts = [f"## {self.title}", ""]
@@ -136,15 +136,24 @@ def header(settings: dict[str, object]) -> str:
 # ---- timing -------------------------------------------------------------------------------------
 
 
+@dataclass
+class Times:
+    """Wall seconds, and this process's CPU seconds (all its threads). With one torch thread, CPU time
+    is the work done whatever else the machine runs: other jobs stretch wall time, not CPU time."""
+
+    wall: float = 0.0
+    cpu: float = 0.0
+
+
 @contextmanager
-def stopwatch() -> Iterator[list[float]]:
-    """`with stopwatch() as t: ...` then t[0] holds the seconds."""
-    box = [0.0]
-    start = time.perf_counter()
+def stopwatch() -> Iterator[Times]:
+    """`with stopwatch() as t: ...` then t.wall and t.cpu hold the seconds."""
+    box = Times()
+    wall, cpu = time.perf_counter(), time.process_time()
     try:
         yield box
     finally:
-        box[0] = time.perf_counter() - start
+        box.wall, box.cpu = time.perf_counter() - wall, time.process_time() - cpu
 
 
 class Accumulator:
@@ -173,21 +182,25 @@ def layer_shapes(config) -> list[tuple[int, int]]:
 
 
 def matmul_gflops(dtype: torch.dtype, rows: int, shapes: Sequence[tuple[int, int]] = ((576, 1536),),
-                  seconds: float = 0.5) -> float:
+                  trials: int = 5, seconds: float = 0.1) -> float:
     """GFLOP/s of F.linear at `rows` rows over the given (in, out) weight shapes: the compute ceiling
-    (with a model's layer_shapes, exactly the matmuls one of its layers does per step)."""
+    (with a model's layer_shapes, exactly the matmuls one of its layers does per step). The best of a
+    few short trials: other jobs on the machine can only slow a trial down."""
     xs = {k: torch.randn(rows, k, dtype=dtype) for k, _ in shapes}
     ws = [torch.randn(n, k, dtype=dtype) for k, n in shapes]
     flops = sum(2 * rows * k * n for k, n in shapes)
+    best = 0.0
     with torch.inference_mode():
         for w in ws:
             F.linear(xs[w.shape[1]], w)
-        count, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < seconds:
-            for w in ws:
-                F.linear(xs[w.shape[1]], w)
-            count += 1
-    return flops * count / elapsed / 1e9
+        for _ in range(trials):
+            count, start = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - start) < seconds:
+                for w in ws:
+                    F.linear(xs[w.shape[1]], w)
+                count += 1
+            best = max(best, flops * count / elapsed / 1e9)
+    return best
 
 
 def configure_threads(threads: int | None) -> int:

@@ -9,17 +9,16 @@
 - `hf_continuous`: transformers' own continuous batching (`generate_batch`'s manager), same page
   size, `num_blocks` set (it would size its cache from host RAM otherwise).
 
-Each returns the wall time; requests generate exactly `output_len` tokens (EOS ignored).
+Each returns its wall and CPU times; requests generate exactly `output_len` tokens (EOS ignored).
 """
 
-import time
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, GenerationConfig
 
-from bench.common import Request
+from bench.common import Request, Times, stopwatch
 
 FOLDED_SDPA = "sdpa_folded_gqa"
 
@@ -45,8 +44,13 @@ AttentionInterface.register(FOLDED_SDPA, folded_sdpa_forward)
 
 
 @torch.inference_mode()
-def hf_static(model, requests: Sequence[Request], batch_size: int = 8, pad_token_id: int = 0) -> float:
-    start = time.perf_counter()
+def hf_static(model, requests: Sequence[Request], batch_size: int = 8, pad_token_id: int = 0) -> Times:
+    with stopwatch() as t:
+        _static_batches(model, requests, batch_size, pad_token_id)
+    return t
+
+
+def _static_batches(model, requests: Sequence[Request], batch_size: int, pad_token_id: int) -> None:
     for first in range(0, len(requests), batch_size):
         batch = requests[first : first + batch_size]
         width = max(len(r.prompt) for r in batch)
@@ -56,20 +60,18 @@ def hf_static(model, requests: Sequence[Request], batch_size: int = 8, pad_token
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new,
                              min_new_tokens=new, do_sample=False, pad_token_id=pad_token_id)
         assert out.shape[1] == width + new
-    return time.perf_counter() - start
 
 
-def hf_single(model, prompt: list[int], max_new_tokens: int = 1) -> float:
-    """One unpadded `generate` call (the model recomputes the whole prompt); its wall time."""
-    start = time.perf_counter()
-    with torch.inference_mode():
+def hf_single(model, prompt: list[int], max_new_tokens: int = 1) -> Times:
+    """One unpadded `generate` call (the model recomputes the whole prompt)."""
+    with torch.inference_mode(), stopwatch() as t:
         model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                        do_sample=False, pad_token_id=0)
-    return time.perf_counter() - start
+    return t
 
 
 def hf_continuous(model, requests: Sequence[Request], num_blocks: int, page_size: int = 16,
-                  max_batch_tokens: int = 1024, max_requests: int = 64) -> float:
+                  max_batch_tokens: int = 1024, max_requests: int = 64) -> Times:
     from transformers import ContinuousBatchingConfig
 
     config = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
@@ -77,20 +79,23 @@ def hf_continuous(model, requests: Sequence[Request], num_blocks: int, page_size
     generation = GenerationConfig(do_sample=False, max_new_tokens=max(r.output_len for r in requests), eos_token_id=-1)
     with model.continuous_batching_context_manager(generation_config=generation, continuous_batching_config=config,
                                                    block=True, timeout=5) as manager:
-        start = time.perf_counter()  # after its cache is allocated and warmed up, as the engine's is
-        ids = [manager.add_request(r.prompt, max_new_tokens=r.output_len, eos_token_id=-1) for r in requests]
-        expected = {i: r.output_len for i, r in zip(ids, requests)}
-        done = 0
-        while done < len(ids):
-            result = manager.get_result(timeout=1)
-            if result is None:
-                if not manager.is_running():
-                    raise RuntimeError("transformers' continuous batching thread stopped")
-                continue
-            if result.is_finished():
-                if result.error is not None:
-                    raise RuntimeError(f"generate_batch failed: {result.error}")
-                assert len(result.generated_tokens) == expected[result.request_id], "wrong output length"
-                done += 1
-        elapsed = time.perf_counter() - start
-    return elapsed
+        with stopwatch() as t:  # from here: its cache is allocated and warmed up, as the engine's is
+            _serve(manager, requests)
+    return t
+
+
+def _serve(manager, requests: Sequence[Request]) -> None:
+    ids = [manager.add_request(r.prompt, max_new_tokens=r.output_len, eos_token_id=-1) for r in requests]
+    expected = {i: r.output_len for i, r in zip(ids, requests)}
+    done = 0
+    while done < len(ids):
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped")
+            continue
+        if result.is_finished():
+            if result.error is not None:
+                raise RuntimeError(f"generate_batch failed: {result.error}")
+            assert len(result.generated_tokens) == expected[result.request_id], "wrong output length"
+            done += 1

@@ -9,6 +9,7 @@ Each section can also be run alone: `python -m bench.throughput --help`, and so 
 """
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -31,16 +32,17 @@ def plan(args) -> list[tuple[str, Callable[[], Section]]]:
     for dtype in args.dtype:
         jobs.append(("throughput", lambda d=dtype: throughput.mix_section(args.model, d, size, args.repeats)))
         jobs.append(("issue2", lambda d=dtype: throughput.issue2_section(args.model, d, size, args.repeats)))
-    jobs.append(("concurrency", lambda: concurrency.concurrency_section(args.model, args.dtype[0],
+    jobs.append(("concurrency", lambda: concurrency.concurrency_section(args.model, args.kv_dtype,
                                                                        128 if quick else 256)))
-    for dtype in args.dtype:
+    for dtype in args.other_dtype:
         jobs.append(("multiturn", lambda d=dtype: multiturn.multiturn_section(args.model, d, 10, 4 if quick else 16)))
-    jobs.append(("ui", lambda: ui_overhead.ui_overhead_section(args.model, args.dtype[-1], 2 if quick else 4,
-                                                                 12 if quick else 48, 1 if quick else 2)))
-    for dtype in args.dtype:
+    for dtype in args.other_dtype:
+        jobs.append(("ui", lambda d=dtype: ui_overhead.ui_overhead_section(
+            args.model, d, 2 if quick else 4, 12 if quick else 48, 1 if quick else 2)))
+    for dtype in args.other_dtype:
         jobs.append(("steps", lambda d=dtype: step_overhead.step_overhead_section(
             args.model, d, (1, 32), 3 if quick else 10, 64 if quick else 128)))
-    jobs.append(("sharing", lambda: sharing.sharing_section(args.model, args.dtype[0])))
+    jobs.append(("sharing", lambda: sharing.sharing_section(args.model, args.kv_dtype)))
     return [(name, job) for name, job in jobs if not args.only or name in args.only]
 
 
@@ -51,21 +53,27 @@ def main(argv: list[str] | None = None) -> None:
     sizes.add_argument("--quick", action="store_true", help="small sizes: minutes")
     sizes.add_argument("--full", action="store_true", help="issue 6's full throughput workload")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"],
-                        help="dtypes of the model sections (bfloat16 as the issues ask; float32 is the fast one "
-                             "on CPUs without avx512_bf16/AMX)")
+                        help="dtypes of the throughput sections (bfloat16 as issues 2 and 6 ask; float32 is the "
+                             "fast one on CPUs without avx512_bf16/AMX)")
+    parser.add_argument("--other-dtype", nargs="+", default=["float32"],
+                        help="dtypes of the multi-turn, UI and step sections (default: float32)")
+    parser.add_argument("--kv-dtype", default="bfloat16",
+                        help="dtype that sizes the KV budget of the concurrency and sharing sections")
     parser.add_argument("--only", nargs="+", choices=("throughput", "issue2", "concurrency", "multiturn", "ui",
                                                       "steps", "sharing"))
     parser.add_argument("--repeats", type=int, default=1, help="throughput rounds; each peer's best time counts")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch threads (default 1)")
     parser.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
-    parser.add_argument("--chart", type=Path, default=HERE / "results.png")
+    parser.add_argument("--chart", type=Path, default=HERE / "results.png",
+                        help="the PNG; its numbers go beside it as .json (redraw: python -m bench.chart FILE.json)")
     args = parser.parse_args(argv)
 
     threads = configure_threads(args.threads)
     size = "full (issue 6's sizes)" if args.full else "quick" if args.quick else "default (scaled down, see each section)"
     settings = {
         "model": args.model or "default (SmolLM2-135M-Instruct, converted from the packaged GGUF)",
-        "dtypes": ", ".join(args.dtype),
+        "dtypes": f"throughput {', '.join(args.dtype)}; multi-turn, UI, steps {', '.join(args.other_dtype)}; "
+                  f"KV budget {args.kv_dtype}",
         "torch threads": f"{threads} (`--threads`): on these 2 shared cores, 2 OpenMP threads ran F.linear 2-5x "
                          "slower than 1 while other jobs were busy",
         "sizes": size,
@@ -82,8 +90,9 @@ def main(argv: list[str] | None = None) -> None:
         write(args.output, top, sections, time.perf_counter() - started)  # after each: a late failure keeps the rest
     ratios = {label: value for s in sections for label, value in s.chart.items()}
     cpu = cpu_description()
-    if ratios and chart.draw(ratios, args.chart, f"{cpu['cpu']}, {cpu['cores']} cores ({cpu['flags']}), "
-                                                 f"torch threads {threads}, {size.split(' ')[0]} sizes"):
+    subtitle = f"{cpu['cpu']}, {cpu['cores']} cores ({cpu['flags']}), torch threads {threads}, {size.split(' ')[0]} sizes"
+    args.chart.with_suffix(".json").write_text(json.dumps({"subtitle": subtitle, "ratios": ratios}, indent=1))
+    if ratios and chart.draw(ratios, args.chart, subtitle):
         print(f"chart: {args.chart}")
 
 

@@ -107,10 +107,11 @@ def tabs(engine, k: int, tokens: Tokens, prompt: int, new: int, ids) -> int:
     return tracker.peak
 
 
-SCENARIOS = {
-    "k forks of a parked conversation, each asks its own follow-up": (forks, forks_unshared),
-    "n=k parallel samples of one prompt": (samples, samples_unshared),
-    "k tabs with one long shared system prompt": (tabs, tabs),  # unshared: same calls, prefix caching off
+SCENARIOS = {  # name: (with sharing, without, short name for the chart)
+    "k forks of a parked conversation, each asks its own follow-up": (forks, forks_unshared, "forks"),
+    "n=k parallel samples of one prompt": (samples, samples_unshared, "n=k samples"),
+    # unshared: the same calls, on the engine with prefix caching off
+    "k tabs with one long shared system prompt": (tabs, tabs, "tabs sharing a system prompt"),
 }
 
 
@@ -123,7 +124,7 @@ def sharing_section(model: str | None, dtype: str, prompt: int = 400, new: int =
         vocab = shared_llm.engine.runner.model.config.vocab_size
         ids = itertools.count()
         rows = []
-        for name, (with_sharing, without) in SCENARIOS.items():
+        for name, (with_sharing, without, _) in SCENARIOS.items():
             for k in ks:
                 shared = with_sharing(shared_llm.engine, k, Tokens(k, vocab), prompt, new, ids)
                 plain = without(plain_llm.engine, k, Tokens(k, vocab), prompt, new, ids)
@@ -136,9 +137,9 @@ def sharing_section(model: str | None, dtype: str, prompt: int = 400, new: int =
                   "without sharing: the same token counts as separate requests, prefix caching off",
                   "model forward stubbed (zeros logits): block counts depend only on token counts"],
         tables=[Table(["scenario", "k", "blocks, shared", "blocks, not shared", "saved", "ratio"], rows)],
-        seconds=t[0],
-        chart={f"sharing, {name.split(',')[0][:28]}, k={ks[-1]}": row[3] / row[2]
-               for name in SCENARIOS for row in rows if row[0] == name and row[1] == ks[-1]},
+        seconds=t.wall,
+        chart={f"blocks saved, {short}, k={ks[-1]} (not shared / shared)": (row[3] / row[2], None)
+               for name, (_, _, short) in SCENARIOS.items() for row in rows if row[0] == name and row[1] == ks[-1]},
     )
 
 

@@ -37,10 +37,10 @@ def decode_steps(llm, running: int, steps: int, prompt: int, profile: cProfile.P
         for _ in range(steps):
             with stopwatch() as t:
                 engine.step()
-            step_time += t[0]
+            step_time += t.wall
             with stopwatch() as t:
                 engine.kv_snapshot()
-            snapshot_time += t[0]
+            snapshot_time += t.wall
     finally:
         del engine.runner.forward, model.forward  # back to the class methods
     if profile:  # separate steps: the profiler's own cost must not count in the times above
@@ -93,7 +93,7 @@ def step_overhead_section(model: str | None, dtype: str, running=(1, 32), steps:
                f"(batch preparation counted as overhead) -> {met}",
                f"the engine's own Python (pagedchat/engine and kernels/, own lines) is {own_share:.1%} of the "
                f"profiled time at {last['running']} running; the rest is torch and transformers"],
-        seconds=t[0],
+        seconds=t.wall,
     )
 
 

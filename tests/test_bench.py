@@ -32,7 +32,8 @@ def test_workloads_are_seeded_and_in_range():
 
 def test_throughput_reports_every_peer(tiny_model):
     section = throughput.mix_section(str(tiny_model), "float32", "smoke")
-    assert columns(section) == ["peer", "seconds", "generated tok/s", "its time / pagedchat's", "goal"]
+    assert columns(section)[0] == "peer" and "goal" in columns(section)
+    assert all(len(row) == len(columns(section)) for row in section.tables[0].rows)
     assert [row[0] for row in section.tables[0].rows] == list(throughput.PEERS)
     assert any("ceiling" in note for note in section.notes)
 
@@ -48,7 +49,7 @@ def test_concurrency_compares_paged_and_contiguous(tiny_model):
 def test_multiturn_has_every_mode(tiny_model):
     section = multiturn.multiturn_section(str(tiny_model), "float32", turns=2, reply_tokens=2)
     assert [row[0] for row in section.tables[0].rows] == [*multiturn.MODES, "HF generate, recomputing"]
-    assert columns(section) == ["history between turns", "turn 1", "turn 2", "turn 2 / turn 1"]
+    assert columns(section)[:3] == ["history between turns", "turn 1", "turn 2"]
 
 
 def test_step_overhead_splits_the_step(tiny_model):
@@ -66,11 +67,12 @@ def test_sharing_uses_fewer_blocks(tiny_model):
 
 def test_ui_overhead_runs_the_app(tiny_model):
     section = ui_overhead.ui_overhead_section(str(tiny_model), "float32", tabs=2, reply=3, rounds=1)
-    assert [row[0] for row in section.tables[0].rows][1] == "app (Pilot, headless)"
+    assert [row[0].split(",")[0] for row in section.tables[0].rows] == [
+        "bare engine (step + kv_snapshot)", "bare engine (step + kv_snapshot)", "app (Pilot"]
 
 
 def test_chart_is_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "c.png"
-    assert chart.draw({"a": 2.0, "b": 0.5}, path, "test")
+    assert chart.draw({"a": (2.0, 1.5), "b": (0.5, None)}, path, "test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
