@@ -11,6 +11,10 @@ prefix and decode in a single launch for a mixed batch:
   an online softmax in fp32 walks them up to the tile's last query, masking causally;
 - the split-KV path (flash-decoding) cuts each program's key range into NUM_SPLITS parts written
   as fp32 partial results, which a second kernel merges by their log-sum-exp.
+
+Dots: fp32 ones ask for IEEE precision (a GPU would default to TF32, ~1e-3 off); fp16 and bf16
+ones run natively with fp32 accumulation, except bf16 under the interpreter, where tl.dot on bf16
+is wrong and the tiles are converted to fp32 first.
 """
 
 import functools
@@ -22,7 +26,9 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
+# read once, as Triton does when the kernels below are defined
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+# split-KV bounds: enough parts to fill the GPU, none so short that the merge outweighs it
 MAX_KV_SPLITS = 16
 MIN_KEYS_PER_SPLIT = 256
 
