@@ -93,7 +93,9 @@ async def wait_until(pilot, condition, timeout: float = 30.0, what: str = "condi
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await pilot.pause(0.02)
+        # Not pilot.pause: it waits for every widget to drain its queue, which a streaming reply
+        # keeps full, so one pause can last the whole reply.
+        await asyncio.sleep(0.02)
 
 
 def async_test(test):

@@ -1,5 +1,6 @@
 """The app: chat tabs on the left, the KV panel on the right, one engine thread behind them."""
 
+import asyncio
 import logging
 from collections.abc import Callable, Iterator
 
@@ -65,7 +66,7 @@ class PagedChatApp(App):
     ]
 
     def __init__(self, load_llm: Callable[[], object], *, model_name: str = "the model",
-                 theme: str = DEFAULT_THEME, demo: bool = False) -> None:
+                 theme: str = DEFAULT_THEME, demo: bool = False, params: SamplingParams = DEFAULT_PARAMS) -> None:
         super().__init__()
         for theme_obj in load_themes().values():
             self.register_theme(theme_obj)
@@ -74,6 +75,7 @@ class PagedChatApp(App):
         self.load_error: str | None = None  # why loading failed, for the one line the CLI prints
         self._load_llm = load_llm
         self._model_name = model_name
+        self._params = params  # sampling of new tabs
         self._tokenizer = None
         self._max_len: int | None = None
         self._panes: dict[str, ChatPane] = {}
@@ -106,21 +108,17 @@ class PagedChatApp(App):
 
     # -- loading -----------------------------------------------------------------------------------
 
-    @work(thread=True, exit_on_error=False)
-    def _load(self) -> None:
+    @work(exit_on_error=False)
+    async def _load(self) -> None:
+        # The loading runs in a thread and the result comes back here by await, not by
+        # call_from_thread, which would block the thread forever if the app quit meanwhile.
         try:
-            llm = self._load_llm()
+            llm = await asyncio.to_thread(self._load_llm)
         except Exception as exc:
             log.exception("loading the model failed")
-            self.call_from_thread(self._load_failed, exc)
-        else:
-            self.call_from_thread(self._loaded, llm)
-
-    def _load_failed(self, exc: Exception) -> None:
-        self.load_error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        self.exit(return_code=1)
-
-    async def _loaded(self, llm) -> None:
+            self.load_error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self.exit(return_code=1)
+            return
         self._tokenizer = llm.get_tokenizer()
         engine = llm.engine
         self._max_len = engine.config.max_model_len
@@ -151,16 +149,16 @@ class PagedChatApp(App):
         self._panes[conversation.key] = pane
         await self._tabbed.add_pane(pane)
         self._tabbed.active = pane.id
-        pane.query_one(MessageBox).focus()
+        self._focus_box(pane)
         self._update_labels()
         return pane
 
     def _new_conversation(self, system_prompt: str | None = None,
-                          params: SamplingParams = DEFAULT_PARAMS) -> tuple[Conversation, str]:
+                          params: SamplingParams | None = None) -> tuple[Conversation, str]:
         self._tabs_opened += 1
         key = f"chat-{self._tabs_opened}"
         conversation = Conversation(lambda system: ChatSession(self._tokenizer, system), key,
-                                    system_prompt, params)
+                                    system_prompt, params or self._params)
         return conversation, f"chat {self._tabs_opened}"
 
     async def action_new_chat(self) -> None:
@@ -198,8 +196,17 @@ class PagedChatApp(App):
         self._tabbed.query_one(Tabs).action_next_tab()
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
-        if isinstance(event.pane, ChatPane):
-            event.pane.query_one(MessageBox).focus()
+        # A stale activation (the tab changed again since) must not pull focus back to its pane:
+        # focusing a pane activates its tab, and two such messages in flight would ping-pong.
+        if isinstance(event.pane, ChatPane) and event.pane.id == self._tabbed.active:
+            self._focus_box(event.pane)
+
+    def _focus_box(self, pane: ChatPane) -> None:
+        # Screen.set_focus now, not Widget.focus(), which focuses later (call_later), when the
+        # active tab may have moved on: focusing then would switch the tab back.
+        box = pane.query_one(MessageBox)
+        if self.screen.focused is not box:
+            self.screen.set_focus(box)
 
     # -- the current conversation ------------------------------------------------------------------
 
@@ -292,6 +299,8 @@ class PagedChatApp(App):
     # -- the picture -------------------------------------------------------------------------------
 
     def _poll(self) -> None:
+        if not self.is_running:  # shutting down: the widgets are going away
+            return
         snapshot = self.worker.snapshot
         if snapshot is not self._snapshot:
             self._snapshot = snapshot

@@ -2,6 +2,15 @@
 
 from textual.widgets import Markdown
 
+# A model can emit control characters (ESC, backspace, ...); written raw they would move the
+# terminal's cursor and tear the screen. Show them as their Unicode control pictures instead.
+_CONTROLS = {c: 0x2400 + c for c in range(0x20) if chr(c) not in "\n\t"} | {0x7F: 0x2421} | \
+    {c: 0xFFFD for c in range(0x80, 0xA0)}
+
+
+def visible(text: str) -> str:
+    return text.translate(_CONTROLS)
+
 
 class ChatMessage(Markdown):
     DEFAULT_CSS = """
@@ -29,5 +38,5 @@ class ChatMessage(Markdown):
     """
 
     def __init__(self, role: str, text: str = "") -> None:
-        super().__init__(text, classes=f"-{role}")
+        super().__init__(visible(text), classes=f"-{role}")
         self.role = role

@@ -1,11 +1,12 @@
 """One chat tab: a conversation kept resident in the engine, its transcript and its message box."""
 
+from textual import events
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Button, Markdown, Static, TabPane
 
 from pagedchat.engine.outputs import CompletionOutput, RequestOutput
-from pagedchat.tui.chat_message import ChatMessage
+from pagedchat.tui.chat_message import ChatMessage, visible
 from pagedchat.tui.conversation import ContextFull, Conversation, Send
 from pagedchat.tui.message_box import MessageBox
 from pagedchat.tui.settings_screen import TabSettings
@@ -59,6 +60,13 @@ class ChatPane(TabPane):
 
     def on_mount(self) -> None:
         self.query_one("#transcript").anchor()
+
+    def _on_descendant_focus(self, event: events.DescendantFocus) -> None:
+        # TabPane activates its tab when something inside it gets focus. This pane's queue can be
+        # long with streamed tokens, so the focus may arrive after the user switched tabs: it must
+        # not switch back. Only the pane on show (the active one) may claim its tab.
+        if not self.display:
+            event.prevent_default()
 
     # -- turns -------------------------------------------------------------------------------------
 
@@ -163,10 +171,10 @@ class ChatPane(TabPane):
 
     async def _show(self, text: str) -> None:
         if text.startswith(self._shown):
-            await self._stream.write(text[len(self._shown):])
+            await self._stream.write(visible(text[len(self._shown):]))
         else:  # a stop string cut text already shown
             await self._stream.stop()
-            await self._reply.update(text)
+            await self._reply.update(visible(text))
             self._stream = Markdown.get_stream(self._reply)
         self._shown = text
 
@@ -205,10 +213,10 @@ class ChatPane(TabPane):
                                                      "Start a new chat to go on (ctrl+n)."))
         self._transcript.mount(Button("New chat", classes="new-chat", variant="primary"))
 
-    def on_button_pressed(self, event: Button.Pressed) -> None:
+    async def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.has_class("new-chat"):
             event.stop()
-            self.run_action("app.new_chat")
+            await self.run_action("app.new_chat")
 
     def _release(self, request_id: str | None) -> None:
         if request_id is not None and self.worker is not None:

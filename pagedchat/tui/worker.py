@@ -152,26 +152,27 @@ class EngineWorker:
 
     def _run(self) -> None:
         while (work := self._next_work()) is not None:
-            commands, step = work
-            for request_id, command in commands:
-                self._apply(request_id, command)
-            if step:
-                self._step()
-            elif commands:
+            if work:
+                for request_id, command in work:
+                    self._apply(request_id, command)
                 self.snapshot = self._engine.kv_snapshot()
+            else:
+                self._step()
 
-    def _next_work(self) -> tuple[list, bool] | None:
-        """Sleep until there are commands to apply or a step is due; None when stopping."""
+    def _next_work(self) -> list | None:
+        """Sleep until there are commands (returned) or a step is due (an empty list); None when
+        stopping. Commands go first, so a step is judged on the engine as they leave it."""
         with self._cond:
             while not self._stopping:
-                commands = list(self._commands)
-                self._commands.clear()
+                if self._commands:
+                    commands = list(self._commands)
+                    self._commands.clear()
+                    return commands
                 wait = self._step_wait()
-                if commands or wait == 0:
-                    step = wait == 0
-                    if step and self._paused:
+                if wait == 0:
+                    if self._paused:
                         self._steps_allowed -= 1
-                    return commands, step
+                    return []
                 self._cond.wait(wait)
         return None
 

@@ -1,0 +1,231 @@
+"""The app driven by Pilot on the tiny random model: real engine, real engine thread."""
+
+import pytest
+from invariants import assert_invariants
+from test_tui_support import async_test, frozen_llm, make_snapshot, wait_until
+
+from pagedchat import LLM, SamplingParams
+from pagedchat.tui.app import PagedChatApp
+from pagedchat.tui.block_detail import BlockDetail
+from pagedchat.tui.block_grid import BlockGrid
+from pagedchat.tui.chat_message import ChatMessage
+from pagedchat.tui.kv_panel import KVPanel
+from pagedchat.tui.message_box import MessageBox
+
+SIZE = (160, 50)
+# ignore_eos: the random model may end a reply at once; these replies must run long enough to watch.
+SHORT = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
+
+
+@pytest.fixture
+def make_app(tiny_model):
+    def make(params: SamplingParams = SHORT, **llm_kwargs) -> PagedChatApp:
+        kwargs = dict(dtype="float32", device="cpu", attention_backend="torch", num_kv_blocks=96) | llm_kwargs
+        return PagedChatApp(lambda: LLM(model=tiny_model, **kwargs), params=params)
+
+    return make
+
+
+async def loaded(pilot) -> PagedChatApp:
+    app = pilot.app
+    await wait_until(pilot, lambda: app.current_pane is not None, what="the model to load")
+    return app
+
+
+def snapshot(app: PagedChatApp):
+    return app.query_one(KVPanel).snapshot
+
+
+async def reply_done(pilot, *panes) -> None:
+    await wait_until(pilot, lambda: not any(p.replying for p in panes) and all(p.conversation.last_reply for p in panes),
+                     what="the replies")
+
+
+@async_test
+async def test_two_tabs_reply_at_the_same_time(make_app):
+    async with make_app(SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)).run_test(size=SIZE) as pilot:
+        app = await loaded(pilot)
+        await pilot.press("f5")  # paused, so that both requests start in the same step
+        first = app.current_pane
+        first.query_one(MessageBox).text = "Hello from tab one"
+        await pilot.press("enter")  # enter sends
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: app.current_pane is not first, what="a second tab")
+        second = app.current_pane
+        second.send("Hello from tab two")
+        assert first.replying and second.replying
+        await pilot.press("f3", "f5")  # slow motion (0.25 s a step), so the UI sees every step
+        await wait_until(pilot, lambda: first.replying and second.replying and first.reply_text
+                         and second.reply_text, what="both replies under way")
+        assert app.worker.snapshot.num_running == 2
+        midway = len(first.reply_text), len(second.reply_text)
+        await reply_done(pilot, first, second)
+        assert len(first.conversation.last_reply.text) > midway[0]
+        assert len(second.conversation.last_reply.text) > midway[1]
+        assert first.query_one(MessageBox).text == ""
+        assert all(len(p.conversation.last_reply.token_ids) == 12 for p in (first, second))
+        assert_invariants(app.worker.snapshot)
+
+
+@async_test
+async def test_escape_stops_the_reply_and_keeps_what_came(make_app):
+    async with make_app(LONG).run_test(size=SIZE) as pilot:
+        app = await loaded(pilot)
+        pane = app.current_pane
+        pane.send("Tell me everything")
+        await wait_until(pilot, lambda: len(pane.reply_text) > 3, what="a reply to start")
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not pane.replying, what="the reply to stop")
+        kept = pane.conversation.last_reply
+        assert 0 < len(kept.token_ids) < 600
+        assert "stopped" in str(pane.query_one("#turn-info").render())
+        info = {r.request_id: r for r in app.worker.snapshot.requests}[pane.conversation.request_id]
+        assert info.status == "parked"  # the conversation stays resident for the next turn
+
+
+@async_test
+async def test_closing_a_tab_returns_the_blocks_only_it_held(make_app):
+    async with make_app().run_test(size=SIZE) as pilot:
+        app = await loaded(pilot)
+        first = app.current_pane
+        first.send("one")
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: app.current_pane is not first, what="a second tab")
+        second = app.current_pane
+        second.send("two")
+        await reply_done(pilot, first, second)
+        await wait_until(pilot, lambda: snapshot(app) is app.worker.snapshot, what="the panel to catch up")
+        before = snapshot(app)
+        own = [b for b in before.blocks if b.owners == (second.conversation.request_id,)]
+        shared = [b for b in before.blocks if len(b.owners) == 2]
+        assert own and shared  # both tabs start with the test model's default system prompt
+        await pilot.press("ctrl+w")
+        expected = before.num_free_blocks + len(own)
+        await wait_until(pilot, lambda: snapshot(app).num_free_blocks == expected, what="the blocks to return")
+        assert f"free {expected}/96 blocks" in str(app.query_one("KVStats").render())
+        assert all(snapshot(app).blocks[b.block_id].ref_count == 1 for b in shared)
+        assert_invariants(snapshot(app))
+
+
+@async_test
+async def test_clicking_a_block_shows_what_it_holds(make_app):
+    async with make_app().run_test(size=SIZE) as pilot:
+        app = await loaded(pilot)
+        pane = app.current_pane
+        pane.send("hi")
+        await reply_done(pilot, pane)
+        grid = app.query_one(BlockGrid)
+        await pilot.click(BlockGrid, offset=(grid._gutter, 0))
+        await wait_until(pilot, lambda: grid.cursor == 0, what="block 0 selected")
+        detail = str(app.query_one(BlockDetail).render())
+        assert "block 0 · ref 1 · 16/16 tokens" in detail and "owners: chat 1" in detail
+        assert "<|im_start|>system" in detail  # the decoded text of its tokens
+
+
+@async_test
+async def test_pause_then_one_step_at_a_time(make_app):
+    async with make_app().run_test(size=SIZE) as pilot:
+        app = await loaded(pilot)
+        await pilot.press("f5")
+        pane = app.current_pane
+        pane.send("step by step")
+        await wait_until(pilot, lambda: app.worker.paused, what="pause")
+        step = app.worker.snapshot.step
+        await pilot.pause(0.3)
+        assert app.worker.snapshot.step == step and pane.replying
+        for expected in (step + 1, step + 2):
+            await pilot.press("f6")
+            await wait_until(pilot, lambda: snapshot(app).step == expected, what=f"step {expected}")
+        await pilot.pause(0.2)
+        assert app.worker.snapshot.step == step + 2
+        await pilot.press("f5")
+        await reply_done(pilot, pane)
+
+
+@async_test
+async def test_fork_shares_the_history_blocks(make_app):
+    async with make_app().run_test(size=SIZE) as pilot:
+        app = await loaded(pilot)
+        source = app.current_pane
+        source.send("branch here")
+        await reply_done(pilot, source)
+        await pilot.press("ctrl+f")
+        await wait_until(pilot, lambda: app.current_pane is not source, what="the fork's tab")
+        fork = app.current_pane
+        await wait_until(pilot, lambda: fork.conversation.request_id in app.worker.snapshot.block_tables,
+                         what="the forked request")
+        tables = app.worker.snapshot.block_tables
+        assert tables[fork.conversation.request_id] == tables[source.conversation.request_id]
+        assert [t.text for t in fork.conversation.turns] == [t.text for t in source.conversation.turns]
+        fork.send("a different follow-up")
+        source.send("the original follow-up")
+        await reply_done(pilot, fork, source)
+        assert any(e.kind == "cow" for e in app.worker.snapshot.events) or \
+            len(source.conversation.turns) == 4  # cow only when the shared last block was partial
+        assert_invariants(app.worker.snapshot)
+
+
+@async_test
+async def test_regenerate_replaces_the_last_reply(make_app):
+    async with make_app(SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)).run_test(size=SIZE) as pilot:
+        app = await loaded(pilot)
+        pane = app.current_pane
+        pane.send("roll the dice")
+        await reply_done(pilot, pane)
+        await pilot.press("ctrl+r")
+        await wait_until(pilot, lambda: pane.conversation.request_id == "chat-1.2", what="a new request")
+        await reply_done(pilot, pane)
+        assert [t.role for t in pane.conversation.turns] == ["user", "assistant"]
+        assert len(pane.query(ChatMessage).filter(".-assistant")) == 1
+
+
+@async_test
+async def test_a_full_context_says_so_and_offers_a_new_chat(make_app):
+    async with make_app(max_model_len=64).run_test(size=SIZE) as pilot:
+        app = await loaded(pilot)
+        pane = app.current_pane
+        assert not pane.send("x" * 80)  # the byte tokenizer: 80 tokens, more than the whole context
+        assert pane.full and pane.conversation.turns == []
+        await pilot.pause()
+        await pilot.click(".new-chat")
+        await wait_until(pilot, lambda: app.current_pane is not pane, what="a new chat")
+
+
+@async_test
+async def test_an_engine_error_shows_in_its_tab_and_the_others_go_on(make_app):
+    async with make_app().run_test(size=SIZE) as pilot:
+        app = await loaded(pilot)
+        engine = app.worker._engine
+        add_request = engine.add_request
+
+        def failing(request_id, *args, **kwargs):
+            if request_id.startswith("chat-2."):
+                raise RuntimeError("injected fault")
+            add_request(request_id, *args, **kwargs)
+
+        engine.add_request = failing
+        first = app.current_pane
+        first.send("fine")
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: app.current_pane is not first, what="a second tab")
+        second = app.current_pane
+        second.send("doomed")
+        await wait_until(pilot, lambda: any("RuntimeError: injected fault" in error.source
+                                            for error in second.query(ChatMessage).filter(".-error")),
+                         what="the error in its tab")
+        assert second.conversation.turns == [] and not second.replying
+        await reply_done(pilot, first)
+
+
+def test_whole_app_picture(snap_compare):
+    """The whole app in one theme, nothing live: a frozen engine showing a hand-made snapshot."""
+    picture = make_snapshot(tables={"chat-1.1": [0, 1, 2], "x.1": [0, 1, 4]}, fills={2: 7, 4: 3}, cached=(6,))
+
+    async def loaded_and_still(pilot):
+        await wait_until(pilot, lambda: pilot.app.current_pane is not None, what="the app")
+        pilot.app.query_one(MessageBox).cursor_blink = False
+        await wait_until(pilot, lambda: snapshot(pilot.app) is not None, what="the panel")
+
+    app = PagedChatApp(frozen_llm(picture), theme="harbor")
+    assert snap_compare(app, terminal_size=SIZE, run_before=loaded_and_still)

@@ -1,0 +1,94 @@
+"""The real app in a real terminal: tmux starts `pagedchat`, send-keys types, capture-pane reads."""
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None,
+                                reason="tmux is not installed (apt-get install tmux); .ci/run installs it")
+
+STARTUP_S = 120  # importing torch and transformers on a busy 2-core machine can take a minute
+
+
+class Terminal:
+    """A detached tmux session, 160x50, running a shell command, on a tmux server of its own (-L)
+    so that the test never touches the user's sessions."""
+
+    def __init__(self, command: str) -> None:
+        self.tmux = ["tmux", "-L", f"pagedchat-test-{uuid.uuid4().hex[:8]}"]
+        subprocess.run([*self.tmux, "new-session", "-d", "-x", "160", "-y", "50", command], check=True)
+
+    def screen(self) -> str:
+        return subprocess.run([*self.tmux, "capture-pane", "-p", "-J"], capture_output=True, text=True).stdout
+
+    def keys(self, *keys: str) -> None:
+        subprocess.run([*self.tmux, "send-keys", *keys], check=True)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if match := re.search(pattern, self.screen()):
+                return match
+            time.sleep(0.2)
+        raise AssertionError(f"{pattern!r} did not appear in {timeout} s; the screen:\n{self.screen()}")
+
+    def close(self) -> None:
+        subprocess.run([*self.tmux, "kill-server"], capture_output=True)
+
+
+def pagedchat(*args: str, state: Path) -> str:
+    """The shell command: the app, then its exit status, then a pause so capture-pane can read what
+    it printed after the screen closed (the app draws on stderr, so stderr cannot go to a file)."""
+    # COLUMNS and LINES from the test process would override the pane's real size.
+    command = shlex.join(["env", "-u", "COLUMNS", "-u", "LINES", f"XDG_STATE_HOME={state}",
+                          sys.executable, "-m", "pagedchat", *args])
+    return f"{command}; echo exit=$?; sleep 600"
+
+
+def test_chat_in_a_real_terminal(tiny_model, tmp_path):
+    term = Terminal(pagedchat("--model", str(tiny_model), "--dtype", "float32", "--device", "cpu",
+                              "--num-blocks", "64", state=tmp_path))
+    try:
+        term.wait_for(r"free 64/64 blocks", STARTUP_S)
+        term.keys("Hello, tiny model", "Enter")
+        term.wait_for(r"chat 1 \d+ tok · generating", 30)
+        used = term.wait_for(r"free (\d+)/64 blocks", 5)
+        assert int(used[1]) < 64
+        time.sleep(1.0)
+        term.keys("Escape")
+        reply = term.wait_for(r"reply (\d+) tok · stopped", 30)
+        assert int(reply[1]) > 0
+        screen = term.screen()
+        assert "Hello, tiny model" in screen and "chat 1" in screen and "· idle" in screen
+        term.keys("C-q")
+        term.wait_for(r"(?m)^exit=0$", 30)
+        assert term.screen().strip() == "exit=0"  # the terminal is restored and nothing else printed
+    finally:
+        term.close()
+
+
+def test_a_model_that_fails_to_load_exits_1_with_one_line(tiny_model, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["intermediate_size"] *= 2  # every check passes; loading the weights cannot
+    (broken / "config.json").write_text(json.dumps(config))
+    term = Terminal(pagedchat("--model", str(broken), "--dtype", "float32", "--device", "cpu", state=tmp_path))
+    try:
+        term.wait_for(r"(?m)^exit=\d+$", STARTUP_S)
+        lines = term.screen().strip().splitlines()
+    finally:
+        term.close()
+    assert lines[-1] == "exit=1"
+    log = tmp_path / "pagedchat" / "pagedchat.log"
+    assert len(lines) == 2 and lines[0].startswith("pagedchat: error: "), lines
+    assert lines[0].endswith(f"(details in {log})")
+    assert "Traceback" in log.read_text()
