@@ -3,14 +3,17 @@
 import pytest
 from invariants import assert_invariants
 from test_tui_support import async_test, frozen_llm, make_snapshot, wait_until
+from textual.widgets import Input, TextArea
 
 from pagedchat import LLM, SamplingParams
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.block_detail import BlockDetail
 from pagedchat.tui.block_grid import BlockGrid
 from pagedchat.tui.chat_message import ChatMessage
+from pagedchat.tui.help_screen import HelpScreen
 from pagedchat.tui.kv_panel import KVPanel
 from pagedchat.tui.message_box import MessageBox
+from pagedchat.tui.settings_screen import SettingsScreen
 
 SIZE = (160, 50)
 # ignore_eos: the random model may end a reply at once; these replies must run long enough to watch.
@@ -229,3 +232,48 @@ def test_whole_app_picture(snap_compare):
 
     app = PagedChatApp(frozen_llm(picture), theme="harbor")
     assert snap_compare(app, terminal_size=SIZE, run_before=loaded_and_still)
+
+
+@async_test
+async def test_help_settings_and_palette():
+    app = PagedChatApp(frozen_llm(make_snapshot()), theme="harbor")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.current_pane is not None, what="the app")
+        await pilot.press("f1")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")  # reaches the dialog: the chat's escape (stop) is off under it
+        assert not isinstance(app.screen, HelpScreen)
+
+        await pilot.press("f2")
+        assert isinstance(app.screen, SettingsScreen)
+        app.screen.query_one("#temperature", Input).value = "-1"
+        await pilot.click("#save")
+        assert "temperature must be >= 0" in str(app.screen.query_one("#error").render())
+        await pilot.pause(0.3)  # a button ignores clicks for 0.2 s after one (its "active" look)
+        app.screen.query_one("#temperature", Input).value = "0"
+        app.screen.query_one("#max_tokens", Input).value = "7"
+        app.screen.query_one("#system", TextArea).text = "Answer in French."
+        await pilot.click("#save")
+        conversation = app.current_pane.conversation
+        await wait_until(pilot, lambda: conversation.params.max_tokens == 7, what="the new settings")
+        assert conversation.params.temperature == 0 and not isinstance(app.screen, SettingsScreen)
+        assert conversation.system_prompt == "Answer in French."
+
+        await pilot.press("ctrl+p")
+        await pilot.press(*"Theme: paper", "enter")
+        await wait_until(pilot, lambda: app.theme == "paper", what="the paper theme")
+
+
+@async_test
+async def test_demo_tabs_chat_by_themselves(tiny_model):
+    kwargs = dict(model=tiny_model, dtype="float32", device="cpu", attention_backend="torch", num_kv_blocks=128)
+    async with PagedChatApp(lambda: LLM(**kwargs), demo=True).run_test(size=SIZE) as pilot:
+        app = pilot.app
+        await wait_until(pilot, lambda: len(app._panes) == 4, what="four demo tabs")
+        panes = list(app._panes.values())
+        await wait_until(pilot, lambda: all(p.conversation.turns for p in panes), what="every tab to send")
+        # The demo tabs share one long system prompt: the prefix cache stores its blocks once.
+        await wait_until(pilot, lambda: any(b.ref_count > 1 for b in app.worker.snapshot.blocks),
+                         what="shared prompt blocks")
+        await app.run_action("toggle_demo")
+        assert not app._demo_on

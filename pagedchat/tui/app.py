@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import signal
 from collections.abc import Callable, Iterator
 
 from rich.text import Text
@@ -60,8 +61,10 @@ class PagedChatApp(App):
         Binding("f2", "settings", "Settings", priority=True),
         Binding("f1", "help", "Help", priority=True),
         Binding("ctrl+y", "copy_reply", "Copy last reply", priority=True, show=False),
-        Binding("ctrl+pageup,alt+left,f7", "previous_tab", "Previous tab", priority=True, show=False),
-        Binding("ctrl+pagedown,alt+right,f8", "next_tab", "Next tab", priority=True, show=False),
+        Binding("ctrl+pageup,alt+left,f7", "previous_tab", "Previous tab", priority=True, show=False,
+                key_display="ctrl+pgup / alt+← / f7"),
+        Binding("ctrl+pagedown,alt+right,f8", "next_tab", "Next tab", priority=True, show=False,
+                key_display="ctrl+pgdn / alt+→ / f8"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
@@ -99,6 +102,10 @@ class PagedChatApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
+        # kill -TERM, or the terminal closing (HUP): quit the normal way, so the terminal is restored.
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            loop.add_signal_handler(sig, self.exit)
         self.push_screen(LoadingScreen(self._model_name))
         self._load()
 

@@ -65,12 +65,13 @@ class SettingsScreen(ModalScreen[TabSettings | None]):
             yield Label("System prompt (empty: the model's default)")
             yield TextArea(self.settings.system_prompt or "", id="system", soft_wrap=True)
             with Horizontal():
-                for name, label, value in (("temperature", "Temperature (0 = greedy)", params.temperature),
-                                           ("top_p", "Top-p (0-1]", params.top_p),
-                                           ("max_tokens", "Max tokens", params.max_tokens)):
+                for name, label, value, hint in (
+                        ("temperature", "Temperature", params.temperature, "0 is greedy"),
+                        ("top_p", "Top-p", params.top_p, "in (0, 1]"),
+                        ("max_tokens", "Max tokens", params.max_tokens, "per reply")):
                     with Vertical():
                         yield Label(label)
-                        yield Input(str(value), id=name)
+                        yield Input(str(value), id=name, tooltip=hint)
             yield Static(id="error")
             with Horizontal(id="buttons"):
                 yield Button("Cancel", id="cancel")
