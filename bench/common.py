@@ -282,8 +282,14 @@ def load_hf(model_path, dtype: str, attn_implementation: str = "sdpa"):
     return model.eval()
 
 
-def num_parameters(model) -> int:
-    return sum(p.numel() for p in model.parameters())
+def flops_per_token(model) -> tuple[int, int]:
+    """(FLOPs of the layers for every token, FLOPs of the vocabulary projection for a sampled token):
+    2 x parameters, the embedding table counted only where it is a matmul (the LM head)."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())  # a tied head is counted once here
+    body = total - embed.numel() - (0 if head is embed else head.numel())
+    return 2 * body, 2 * head.numel()
 
 
 def stub_forward(engine) -> None:

@@ -66,9 +66,10 @@ def test_sharing_uses_fewer_blocks(tiny_model):
 
 
 def test_ui_overhead_runs_the_app(tiny_model):
-    section = ui_overhead.ui_overhead_section(str(tiny_model), "float32", tabs=2, reply=3, rounds=1)
-    assert [row[0].split(",")[0] for row in section.tables[0].rows] == [
-        "bare engine (step + kv_snapshot)", "bare engine (step + kv_snapshot)", "app (Pilot"]
+    # two rounds: a second app must not trip over the first one's conversations
+    section = ui_overhead.ui_overhead_section(str(tiny_model), "float32", tabs=2, reply=3, rounds=2)
+    kinds = [row[0].split(",")[0] for row in section.tables[0].rows]
+    assert kinds == ["bare engine (step + kv_snapshot)"] * 3 + ["app (Pilot"] * 2
 
 
 def test_chart_is_a_png(tmp_path):
