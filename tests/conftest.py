@@ -1,10 +1,14 @@
 """Tiny random models built in place: one per supported architecture, with a byte-level tokenizer."""
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-from pathlib import Path
+# `bench` is importable for its smoke tests; appended, not prepended, so that `pagedchat` is still the
+# installed package (whose `pagedchat.kernels` the source folder lacks).
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 import pytest
 import torch
