@@ -123,6 +123,19 @@ def _available_memory(device) -> int | None:
     return None
 
 
+def open_history():
+    """The chat history database; one that cannot be used is refused with a way around it."""
+    import sqlite3
+
+    from pagedchat.history import History, default_path
+
+    try:
+        return History(default_path())
+    except (sqlite3.Error, OSError, RuntimeError) as exc:
+        raise UsageError(f"cannot open the chat history {default_path()}: {exc} "
+                         "(move it away, or run with --no-history)") from exc
+
+
 def state_dir() -> Path:
     return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "pagedchat"
 
@@ -148,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             llm_kwargs = check_model(args)
         except (ModelError, ValueError) as exc:
             raise UsageError(str(exc).strip().splitlines()[0]) from exc
+        history = None if args.no_history else open_history()
     except UsageError as exc:
         print(f"pagedchat: error: {exc}", file=sys.stderr)
         return 2
@@ -156,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     from pagedchat.tui.app import PagedChatApp
 
     app = PagedChatApp(lambda: LLM(**llm_kwargs), model_name=Path(llm_kwargs["model"]).name,
-                       theme=args.theme, demo=args.demo)
+                       theme=args.theme, demo=args.demo, history=history)
     app.run()
     if app.load_error is not None:
         print(f"pagedchat: error: {app.load_error} (details in {log_path})", file=sys.stderr)

@@ -12,7 +12,8 @@ from pagedchat.engine.llm import DEFAULT_NUM_KV_BLOCKS
 
 def run(*args: str, tmp_path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pagedchat", *args], capture_output=True, text=True,
-                          env={"XDG_STATE_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=120)
+                          env={"XDG_STATE_HOME": str(tmp_path), "XDG_DATA_HOME": str(tmp_path),
+                               "PATH": "/usr/bin:/bin"}, timeout=120)
 
 
 @pytest.mark.parametrize("args, says", [
@@ -75,6 +76,7 @@ def broken_copy(tiny_model, tmp_path, breaks: str):
 ])
 def test_bad_models_exit_2_with_one_line(breaks, says, tiny_model, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "state"))
     assert cli.main(["--model", str(broken_copy(tiny_model, tmp_path, breaks))]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and says in lines[0], lines
@@ -90,6 +92,18 @@ def test_bad_models_exit_2_with_one_line(breaks, says, tiny_model, tmp_path, cap
 ])
 def test_pool_and_device_flags_are_checked_against_the_model(args, says, tiny_model, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     assert cli.main(["--model", str(tiny_model), *args]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and says in lines[0], lines
+
+
+def test_an_unusable_history_is_refused_with_a_way_around(tiny_model, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    database = tmp_path / "pagedchat" / "history.sqlite3"
+    database.parent.mkdir()
+    database.write_bytes(b"this is not a database" * 100)
+    assert cli.main(["--model", str(tiny_model)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "cannot open the chat history" in lines[0] and "--no-history" in lines[0]

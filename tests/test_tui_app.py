@@ -6,6 +6,7 @@ from test_tui_support import async_test, frozen_llm, make_snapshot, wait_until
 from textual.widgets import Input, TextArea
 
 from pagedchat import LLM, SamplingParams
+from pagedchat.history import History
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.block_detail import BlockDetail
 from pagedchat.tui.block_grid import BlockGrid
@@ -13,6 +14,7 @@ from pagedchat.tui.chat_message import ChatMessage
 from pagedchat.tui.help_screen import HelpScreen
 from pagedchat.tui.kv_panel import KVPanel
 from pagedchat.tui.message_box import MessageBox
+from pagedchat.tui.restore_screen import RestoreScreen
 from pagedchat.tui.settings_screen import SettingsScreen
 
 SIZE = (160, 50)
@@ -277,3 +279,33 @@ async def test_demo_tabs_chat_by_themselves(tiny_model):
                          what="shared prompt blocks")
         await app.run_action("toggle_demo")
         assert not app._demo_on
+
+
+@async_test
+async def test_chats_are_saved_and_offered_back(make_app, tmp_path):
+    app = make_app()
+    app.history = History(tmp_path / "history.sqlite3")
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        pane = app.current_pane
+        pane.send("remember me")
+        await reply_done(pilot, pane)
+        reply = pane.conversation.last_reply.text
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: len(app._panes) == 2, what="a second tab")
+        await pilot.press("ctrl+w")  # a closed tab is not offered back
+        await wait_until(pilot, lambda: len(app._panes) == 1, what="the tab to close")
+    [saved] = History(tmp_path / "history.sqlite3").open_chats()
+    assert saved.messages == [{"role": "user", "content": "remember me"}, {"role": "assistant", "content": reply}]
+
+    again = make_app()
+    again.history = History(tmp_path / "history.sqlite3")
+    async with again.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: isinstance(again.screen, RestoreScreen), what="the offer")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: again.current_pane is not None, what="the restored tab")
+        restored = again.current_pane
+        assert [t.text for t in restored.conversation.turns] == ["remember me", reply]
+        restored.send("and now?")  # a restored chat is not in the engine: this sends it whole
+        await reply_done(pilot, restored)
+        assert len(restored.conversation.turns) == 4

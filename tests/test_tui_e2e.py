@@ -4,6 +4,7 @@ import json
 import re
 import shlex
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
@@ -49,7 +50,7 @@ def pagedchat(*args: str, state: Path) -> str:
     it printed after the screen closed (the app draws on stderr, so stderr cannot go to a file)."""
     # COLUMNS and LINES from the test process would override the pane's real size.
     command = shlex.join(["env", "-u", "COLUMNS", "-u", "LINES", f"XDG_STATE_HOME={state}",
-                          sys.executable, "-m", "pagedchat", *args])
+                          f"XDG_DATA_HOME={state}", sys.executable, "-m", "pagedchat", *args])
     return f"{command}; echo exit=$?; sleep 600"
 
 
@@ -92,3 +93,33 @@ def test_a_model_that_fails_to_load_exits_1_with_one_line(tiny_model, tmp_path):
     assert len(lines) == 2 and lines[0].startswith("pagedchat: error: "), lines
     assert lines[0].endswith(f"(details in {log})")
     assert "Traceback" in log.read_text()
+
+
+def test_kill_during_a_reply_loses_no_finished_message(tiny_model, tmp_path):
+    """SIGKILL mid-reply: the finished messages are in the database, and the reply in progress up to
+    its last save (at most a second old)."""
+    term = Terminal(pagedchat("--model", str(tiny_model), "--dtype", "float32", "--device", "cpu",
+                              "--num-blocks", "64", state=tmp_path))
+    try:
+        term.wait_for(r"free 64/64 blocks", STARTUP_S)
+        term.keys("first message", "Enter")
+        term.wait_for(r"chat 1 \d+ tok · generating", 30)
+        time.sleep(0.5)
+        term.keys("Escape")  # a stopped reply is a finished message too
+        term.wait_for(r"reply \d+ tok · stopped", 30)
+        term.keys("second message", "Enter")
+        term.wait_for(r"chat 1 \d+ tok · generating", 30)
+        time.sleep(2.5)
+        pid = subprocess.run([*term.tmux, "display", "-p", "#{pane_pid}"], capture_output=True,
+                             text=True).stdout.strip()
+        app = subprocess.run(["pgrep", "-P", pid, "-f", "pagedchat"], capture_output=True, text=True).stdout.split()
+        subprocess.run(["kill", "-KILL", *app], check=True)
+        term.wait_for(r"exit=137", 10)
+    finally:
+        term.close()
+    database = sqlite3.connect(tmp_path / "pagedchat" / "history.sqlite3")
+    rows = database.execute("SELECT role, content, complete FROM messages ORDER BY id").fetchall()
+    assert [(role, complete) for role, _, complete in rows] == [
+        ("user", 1), ("assistant", 1), ("user", 1), ("assistant", 0)]
+    assert rows[0][1] == "first message" and rows[2][1] == "second message"
+    assert rows[1][1] and rows[3][1]  # the stopped reply, and the cut-off one as of its last save

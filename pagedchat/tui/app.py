@@ -3,7 +3,9 @@
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from rich.text import Text
 from textual import work
@@ -17,14 +19,17 @@ from textual.widgets import Footer, TabbedContent, Tabs
 from pagedchat.engine.chat import ChatSession
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.snapshot import KVSnapshot
+from pagedchat.history import History, SavedChat
 from pagedchat.tui.chat_pane import ChatPane
-from pagedchat.tui.conversation import DEFAULT_PARAMS, Conversation
+from pagedchat.tui.chat_record import ChatRecord
+from pagedchat.tui.conversation import DEFAULT_PARAMS, Conversation, Turn
 from pagedchat.tui.demo import SYSTEM_PROMPT as DEMO_SYSTEM_PROMPT
 from pagedchat.tui.demo import demo_scripts
 from pagedchat.tui.help_screen import HelpScreen
 from pagedchat.tui.kv_panel import KVPanel
 from pagedchat.tui.loading_screen import LoadingScreen
 from pagedchat.tui.message_box import MessageBox
+from pagedchat.tui.restore_screen import RestoreScreen
 from pagedchat.tui.settings_screen import SettingsScreen, TabSettings
 from pagedchat.tui.themes import DEFAULT_THEME, SESSION_COLOURS, SessionTag, load_themes
 from pagedchat.tui.worker import EngineWorker
@@ -39,7 +44,8 @@ STATES = {"waiting": "waiting", "running": "generating", "preempted": "preempted
 # Actions that belong to the chat screen: off while a dialog or the loading screen is up, so that
 # escape and friends reach the dialog despite being priority bindings.
 CHAT_ACTIONS = {"new_chat", "close_chat", "fork_chat", "stop", "regenerate", "pause", "step",
-                "slow_motion", "settings", "copy_reply", "previous_tab", "next_tab", "toggle_demo"}
+                "slow_motion", "settings", "copy_reply", "export_chat", "previous_tab", "next_tab",
+                "toggle_demo"}
 
 
 class PagedChatApp(App):
@@ -61,6 +67,7 @@ class PagedChatApp(App):
         Binding("f2", "settings", "Settings", priority=True),
         Binding("f1", "help", "Help", priority=True),
         Binding("ctrl+y", "copy_reply", "Copy last reply", priority=True, show=False),
+        Binding("ctrl+e", "export_chat", "Export as Markdown", priority=True, show=False),
         Binding("ctrl+pageup,alt+left,f7", "previous_tab", "Previous tab", priority=True, show=False,
                 key_display="ctrl+pgup / alt+← / f7"),
         Binding("ctrl+pagedown,alt+right,f8", "next_tab", "Next tab", priority=True, show=False,
@@ -69,8 +76,10 @@ class PagedChatApp(App):
     ]
 
     def __init__(self, load_llm: Callable[[], object], *, model_name: str = "the model",
-                 theme: str = DEFAULT_THEME, demo: bool = False, params: SamplingParams = DEFAULT_PARAMS) -> None:
+                 theme: str = DEFAULT_THEME, demo: bool = False, params: SamplingParams = DEFAULT_PARAMS,
+                 history: History | None = None) -> None:
         super().__init__()
+        self.history = history  # None: nothing is saved (--no-history)
         for theme_obj in load_themes().values():
             self.register_theme(theme_obj)
         self.theme = theme
@@ -133,10 +142,34 @@ class PagedChatApp(App):
         self.worker.start()
         self.pop_screen()
         self._poll_timer = self.set_interval(1 / POLL_HZ, self._poll)
-        if self._demo_on:
+        saved = self.history.open_chats() if self.history and not self._demo_on else []
+        if saved:
+            self.push_screen(RestoreScreen(saved), lambda restore: self._restore(saved, restore))
+        elif self._demo_on:
             await self._start_demo()
         else:
             await self.action_new_chat()
+
+    async def _restore(self, saved: list[SavedChat], restore: bool) -> None:
+        for chat in saved:
+            if restore:
+                conversation, _ = self._new_conversation(chat.system_prompt, self._params_of(chat.settings))
+                # The replies' own tokens were not saved: the restored turn re-tokenizes their text.
+                conversation.restore([Turn(m["role"], m["content"], tuple(self._tokenizer.encode(
+                    m["content"], add_special_tokens=False)) if m["role"] == "assistant" else ())
+                    for m in chat.messages])
+                await self._open(conversation, chat.title)
+            self.history.close_chat(chat.chat_id)  # a restored tab lives on as a new chat
+        if not self._panes:
+            await self.action_new_chat()
+
+    def _params_of(self, settings: dict) -> SamplingParams:
+        try:
+            return SamplingParams(temperature=settings.get("temperature", self._params.temperature),
+                                  top_p=settings.get("top_p", self._params.top_p),
+                                  max_tokens=settings.get("max_tokens", self._params.max_tokens))
+        except (TypeError, ValueError):  # settings a user could not have saved: the defaults
+            return self._params
 
     # -- tabs --------------------------------------------------------------------------------------
 
@@ -149,10 +182,11 @@ class PagedChatApp(App):
         pane = self._tabbed.active_pane
         return pane if isinstance(pane, ChatPane) else None
 
-    async def _open(self, conversation: Conversation, title: str) -> ChatPane:
+    async def _open(self, conversation: Conversation, title: str, record: bool = True) -> ChatPane:
         used = {pane.colour for pane in self._panes.values()}
         colour = next((c for c in range(SESSION_COLOURS) if c not in used), self._tabs_opened % SESSION_COLOURS)
-        pane = ChatPane(conversation, title, colour, self.worker, self._max_len)
+        chat_record = ChatRecord(self.history, conversation, title) if self.history and record else None
+        pane = ChatPane(conversation, title, colour, self.worker, self._max_len, chat_record)
         self._panes[conversation.key] = pane
         await self._tabbed.add_pane(pane)
         self._tabbed.active = pane.id
@@ -234,6 +268,15 @@ class PagedChatApp(App):
         self.copy_to_clipboard(reply.text)
         self.notify(f"Copied {len(reply.text)} characters.")
 
+    def action_export_chat(self) -> None:
+        pane = self.current_pane
+        if pane is None or not pane.conversation.turns:
+            self.notify("Nothing to export yet.", severity="warning")
+            return
+        path = Path.cwd() / f"pagedchat-{pane.id}-{time.strftime('%Y%m%d-%H%M%S')}.md"
+        path.write_text(pane.conversation.markdown(pane.title), encoding="utf-8")
+        self.notify(f"Saved {path}")
+
     def action_settings(self) -> None:
         pane = self.current_pane
         if pane is None:
@@ -282,7 +325,7 @@ class PagedChatApp(App):
     async def _open_demo_tab(self) -> None:
         conversation, title = self._new_conversation(DEMO_SYSTEM_PROMPT, DEMO_PARAMS)
         self._demo_tabs[conversation.key] = next(self._demo_scripts)
-        await self._open(conversation, f"demo {title.split()[-1]}")
+        await self._open(conversation, f"demo {title.split()[-1]}", record=False)  # demo chats are not kept
 
     async def action_toggle_demo(self) -> None:
         if self._demo_on:

@@ -7,6 +7,7 @@ from textual.widgets import Button, Markdown, Static, TabPane
 
 from pagedchat.engine.outputs import CompletionOutput, RequestOutput
 from pagedchat.tui.chat_message import ChatMessage, visible
+from pagedchat.tui.chat_record import ChatRecord
 from pagedchat.tui.conversation import ContextFull, Conversation, Send
 from pagedchat.tui.message_box import MessageBox
 from pagedchat.tui.settings_screen import TabSettings
@@ -38,9 +39,11 @@ class ChatPane(TabPane):
     """
 
     def __init__(self, conversation: Conversation, title: str, colour: int,
-                 worker: EngineWorker | None = None, max_len: int | None = None) -> None:
+                 worker: EngineWorker | None = None, max_len: int | None = None,
+                 record: ChatRecord | None = None) -> None:
         super().__init__(title, id=conversation.key)
         self.conversation = conversation
+        self.record = record  # where the conversation is saved; None with --no-history
         self.title = title
         self.colour = colour
         self.worker = worker
@@ -90,6 +93,8 @@ class ChatPane(TabPane):
             except ContextFull as exc:
                 self._context_full(str(exc))
                 return False
+            if self.record:
+                self.record.user(text)
             self._transcript.mount(ChatMessage("user", text))
             self._start_reply(send)
             return True
@@ -108,6 +113,8 @@ class ChatPane(TabPane):
             return
         old, send = self.conversation.regenerate()
         self._release(old)
+        if self.record:
+            self.record.drop(1)
         replies = self._transcript.query(ChatMessage).filter(".-assistant")
         if replies:
             replies.last().remove()
@@ -125,13 +132,17 @@ class ChatPane(TabPane):
         if settings.system_prompt != self.conversation.system_prompt:
             if self.replying:
                 self.notify("The system prompt changes after this reply: stop it or wait.", severity="warning")
-                return
-            # The system prompt is the first thing the model read: the next turn resends everything.
-            self._release(self.conversation.set_system_prompt(settings.system_prompt))
+            else:
+                # The system prompt is the first thing the model read: the next turn resends everything.
+                self._release(self.conversation.set_system_prompt(settings.system_prompt))
+        if self.record:
+            self.record.settings(self.conversation)
 
     def close(self) -> None:
         """The tab is closing: the blocks only this conversation held go back to the pool."""
         self._release(self.conversation.request_id)
+        if self.record:
+            self.record.close()
 
     def start_forked_reply(self, partial_text: str) -> None:
         """This pane is a fork of a conversation whose reply is in progress: it streams its own."""
@@ -151,6 +162,8 @@ class ChatPane(TabPane):
         self._reply = ChatMessage("assistant", text)
         self._transcript.mount(self._reply)
         self._stream = Markdown.get_stream(self._reply)
+        if self.record:
+            self.record.reply_started(text)
 
     # -- what the engine thread posts --------------------------------------------------------------
 
@@ -177,6 +190,8 @@ class ChatPane(TabPane):
             await self._reply.update(visible(text))
             self._stream = Markdown.get_stream(self._reply)
         self._shown = text
+        if self.record:
+            self.record.reply_progress(text)
 
     async def _finish(self, output: RequestOutput, completion: CompletionOutput) -> None:
         if completion.finish_reason == "error":
@@ -184,6 +199,8 @@ class ChatPane(TabPane):
             return
         await self._end_reply()
         self.conversation.add_reply(completion.text, completion.token_ids)
+        if self.record:
+            self.record.reply_done(completion.text)
         prompt, reused = len(output.prompt_token_ids), output.num_cached_tokens
         note = FINISH_NOTES.get(completion.finish_reason, "")
         if self.max_len is not None and self.conversation.num_tokens >= self.max_len - 1:
@@ -199,6 +216,8 @@ class ChatPane(TabPane):
         if not self._shown and self._reply is not None:
             await self._reply.remove()
         self._release(self.conversation.fail_turn())
+        if self.record:
+            self.record.drop(2)  # the message and its reply
         await self._transcript.mount(ChatMessage("error", f"**Error:** {error}"))
 
     async def _end_reply(self) -> None:

@@ -102,6 +102,16 @@ class Conversation:
         self.system_prompt = prompt
         return self._drop(self.turns)
 
+    def restore(self, turns: list[Turn]) -> None:
+        """Start from saved turns. Nothing of them is in the engine: the next turn sends it all."""
+        self._replay(turns)
+
+    def markdown(self, title: str) -> str:
+        """The conversation as a Markdown document, for export."""
+        parts = [f"# {title}"] + ([f"*System:* {self.system_prompt}"] if self.system_prompt else [])
+        parts += [f"## {turn.role.capitalize()}\n\n{turn.text}" for turn in self.turns]
+        return "\n\n".join(parts) + "\n"
+
     def fork(self, key: str) -> "Conversation":
         """A copy with the same history; its request is forked from this one's (shared blocks)."""
         twin = Conversation(self._new_session, key, self.system_prompt, self.params)
