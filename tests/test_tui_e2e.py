@@ -54,13 +54,23 @@ def pagedchat(*args: str, state: Path) -> str:
     return f"{command}; echo exit=$?; sleep 600"
 
 
-def test_chat_in_a_real_terminal(tiny_model, tmp_path):
+def tiny_chat(tiny_model, state: Path) -> Terminal:
+    """The app on the tiny model with a 64-block pool, loaded and waiting for a message."""
     term = Terminal(pagedchat("--model", str(tiny_model), "--dtype", "float32", "--device", "cpu",
-                              "--num-blocks", "64", state=tmp_path))
+                              "--num-blocks", "64", state=state))
+    term.wait_for(r"free 64/64 blocks", STARTUP_S)
+    return term
+
+
+def send(term: Terminal, text: str) -> None:
+    term.keys(text, "Enter")
+    term.wait_for(r"chat 1 \d+ tok · generating", 30)
+
+
+def test_chat_in_a_real_terminal(tiny_model, tmp_path):
+    term = tiny_chat(tiny_model, tmp_path)
     try:
-        term.wait_for(r"free 64/64 blocks", STARTUP_S)
-        term.keys("Hello, tiny model", "Enter")
-        term.wait_for(r"chat 1 \d+ tok · generating", 30)
+        send(term, "Hello, tiny model")
         used = term.wait_for(r"free (\d+)/64 blocks", 5)
         assert int(used[1]) < 64
         time.sleep(1.0)
@@ -98,17 +108,13 @@ def test_a_model_that_fails_to_load_exits_1_with_one_line(tiny_model, tmp_path):
 def test_kill_during_a_reply_loses_no_finished_message(tiny_model, tmp_path):
     """SIGKILL mid-reply: the finished messages are in the database, and the reply in progress up to
     its last save (at most a second old)."""
-    term = Terminal(pagedchat("--model", str(tiny_model), "--dtype", "float32", "--device", "cpu",
-                              "--num-blocks", "64", state=tmp_path))
+    term = tiny_chat(tiny_model, tmp_path)
     try:
-        term.wait_for(r"free 64/64 blocks", STARTUP_S)
-        term.keys("first message", "Enter")
-        term.wait_for(r"chat 1 \d+ tok · generating", 30)
+        send(term, "first message")
         time.sleep(0.5)
         term.keys("Escape")  # a stopped reply is a finished message too
         term.wait_for(r"reply \d+ tok · stopped", 30)
-        term.keys("second message", "Enter")
-        term.wait_for(r"chat 1 \d+ tok · generating", 30)
+        send(term, "second message")
         time.sleep(2.5)
         pid = subprocess.run([*term.tmux, "display", "-p", "#{pane_pid}"], capture_output=True,
                              text=True).stdout.strip()
