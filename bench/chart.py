@@ -25,7 +25,7 @@ def draw(ratios: dict[str, tuple[float, float | None]], path: Path, subtitle: st
     values = [ratios[label][0] for label in labels]
     goals = [ratios[label][1] for label in labels]
     colours = ["#8d99ae" if g is None else "#2a9d8f" if v >= g else "#e76f51" for v, g in zip(values, goals)]
-    fig, ax = plt.subplots(figsize=(10, 0.42 * len(labels) + 1.6))
+    fig, ax = plt.subplots(figsize=(11, 0.42 * len(labels) + 1.8))
     ax.barh(labels, values, color=colours)
     for y, (v, g) in enumerate(zip(values, goals)):
         if g is not None:
@@ -39,9 +39,9 @@ def draw(ratios: dict[str, tuple[float, float | None]], path: Path, subtitle: st
     ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xticklabels([f"{t:g}x" for t in ticks])
-    ax.set_xlabel("ratio in pagedchat's favour (peer time / pagedchat's, or a capacity ratio), log scale")
-    ax.set_title("pagedchat benchmarks: black mark = goal; green = met, red = missed, grey = no goal\n" + subtitle,
-                 fontsize=10)
+    ax.set_xlabel("in pagedchat's favour: peer time / pagedchat's, or a capacity ratio (log scale)")
+    ax.set_title(f"pagedchat benchmarks -- {subtitle}\nblack mark: goal; green: met, red: missed, grey: no goal",
+                 fontsize=10, loc="right")
     ax.tick_params(axis="y", labelsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
