@@ -185,7 +185,8 @@ def matmul_gflops(dtype: torch.dtype, rows: int, shapes: Sequence[tuple[int, int
                   trials: int = 5, seconds: float = 0.1) -> float:
     """GFLOP/s of F.linear at `rows` rows over the given (in, out) weight shapes: the compute ceiling
     (with a model's layer_shapes, exactly the matmuls one of its layers does per step). The best of a
-    few short trials: other jobs on the machine can only slow a trial down."""
+    few short trials, timed in CPU time with one torch thread (like the peers), else in wall time."""
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     xs = {k: torch.randn(rows, k, dtype=dtype) for k, _ in shapes}
     ws = [torch.randn(n, k, dtype=dtype) for k, n in shapes]
     flops = sum(2 * rows * k * n for k, n in shapes)
@@ -194,8 +195,8 @@ def matmul_gflops(dtype: torch.dtype, rows: int, shapes: Sequence[tuple[int, int
         for w in ws:
             F.linear(xs[w.shape[1]], w)
         for _ in range(trials):
-            count, start = 0, time.perf_counter()
-            while (elapsed := time.perf_counter() - start) < seconds:
+            count, start = 0, clock()
+            while (elapsed := clock() - start) < seconds:
                 for w in ws:
                     F.linear(xs[w.shape[1]], w)
                 count += 1

@@ -122,7 +122,8 @@ def report(title: str, dtype: str, requests: Sequence[Request], times: dict[str,
                        "(wall)", "goal"], rows)],
     )
     section.notes.append(
-        f"compute ceiling: F.linear over one layer's weight shapes, best of 5 trials: {ceiling['decode']:.1f} GFLOP/s "
+        f"compute ceiling: F.linear over one layer's weight shapes, best of 5 trials (CPU time with one thread): "
+        f"{ceiling['decode']:.1f} GFLOP/s "
         f"at B = {ceiling['decode_rows']} (the decode batch), {ceiling['prefill']:.1f} GFLOP/s at B = 512 (prompts); "
         f"2 x params FLOPs per token ({body / 2e6:.0f}M in the layers, {head / 2e6:.0f}M in the LM head, only for "
         f"sampled tokens) -> matmuls alone would take {ideal:.1f} s: pagedchat reaches {ideal / ours.cpu:.0%} of the "
