@@ -36,7 +36,8 @@ from pagedchat.tui.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
-POLL_HZ = 20
+POLL_HZ = 10
+LABEL_COUNT_EVERY_S = 2.0
 SLOW_MOTION = (0.0, 0.25, 1.0)  # seconds between steps, cycled by f3
 DEMO_TABS = 4
 DEMO_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=160)
@@ -348,9 +349,13 @@ class PagedChatApp(App):
 
     # -- the picture -------------------------------------------------------------------------------
 
-    def _poll(self) -> None:
+    async def _poll(self) -> None:
+        """The UI's tick: the panel, the tab labels and the reply on show change together, in one
+        frame (a frame per change costs the engine a slice of the GIL each)."""
         if not self.is_running:  # shutting down: the widgets are going away
             return
+        if (pane := self.current_pane) is not None:
+            await pane.draw()
         snapshot = self.worker.snapshot
         if snapshot is not self._snapshot:
             self._snapshot = snapshot
@@ -378,15 +383,18 @@ class PagedChatApp(App):
 
     def _update_labels(self) -> None:
         infos = {info.request_id: info for info in self._snapshot.requests} if self._snapshot else {}
-        colours = self.theme_variables
+        now = time.monotonic()
         for key, pane in self._panes.items():
             info = infos.get(pane.conversation.request_id)
             state = STATES.get(info.status if info else "waiting", "idle") if pane.replying else "idle"
             tokens = info.num_tokens if info else pane.conversation.num_tokens
-            label_key = (pane.title, colours[f"session-{pane.colour}"], state, tokens)
-            if self._labels.get(key) != label_key:
-                self._labels[key] = label_key
-                label = Text("■ ", style=label_key[1])
+            look = (pane.title, self.theme, state)
+            shown_look, shown_tokens, shown_at = self._labels.get(key, (None, None, 0.0))
+            # A relabelled tab relayouts the tab bar: the count alone changes it every 2 s at most.
+            if look != shown_look or (tokens != shown_tokens and now - shown_at >= LABEL_COUNT_EVERY_S):
+                self._labels[key] = (look, tokens, now)
+                colour = self.theme_variables[SessionTag(pane.title, pane.colour).variable]
+                label = Text("■ ", style=colour)
                 label.append(f"{pane.title} ")
                 label.append(f"{tokens} tok · {state}", style="dim")
                 self._tabbed.get_tab(key).label = label

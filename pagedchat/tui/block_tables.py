@@ -3,14 +3,17 @@
 from collections.abc import Callable
 
 from rich.text import Text
-from textual.widgets import Static
 
 from pagedchat.engine.snapshot import KVSnapshot
+from pagedchat.tui.text_panel import TextPanel
 from pagedchat.tui.themes import SessionTag
 
+EMPTY = "no block tables yet"
 
-class BlockTables(Static):
-    """One line per live request, in its session's colour; shared entries are underlined."""
+
+class BlockTables(TextPanel):
+    """One line per live request, in its session's colour; shared entries are underlined. A line
+    that does not fit ends in an ellipsis: the height follows the number of requests only."""
 
     DEFAULT_CSS = """
     BlockTables {
@@ -22,7 +25,7 @@ class BlockTables(Static):
     """
 
     def __init__(self, **kwargs) -> None:
-        super().__init__("no block tables yet", **kwargs)
+        super().__init__(EMPTY, **kwargs)
         self._key: tuple | None = None
 
     def show(self, snapshot: KVSnapshot, tag_of: Callable[[str], SessionTag]) -> None:
@@ -33,7 +36,7 @@ class BlockTables(Static):
             return
         self._key = key
         colours = self.app.theme_variables
-        text = Text()
+        text = Text(no_wrap=True, overflow="ellipsis")
         for info in live:
             tag = tag_of(info.request_id)
             colour = colours[tag.variable]
@@ -45,4 +48,4 @@ class BlockTables(Static):
                 text.append(str(block_id), style=f"{colour} underline" if block_id in shared else colour)
             text.append("\n")
         text.rstrip()
-        self.update(text or "no block tables yet")
+        self.set_text(text or Text(EMPTY))

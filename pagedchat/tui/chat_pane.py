@@ -52,7 +52,8 @@ class ChatPane(TabPane):
         self.full = False  # the conversation reached the model's context
         self._reply: ChatMessage | None = None
         self._stream = None
-        self._shown = ""  # the reply text already written to the stream
+        self._text = ""  # the reply so far, as the engine reported it
+        self._shown = ""  # the part of it written to the Markdown stream
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="transcript"):
@@ -122,8 +123,8 @@ class ChatPane(TabPane):
 
     @property
     def reply_text(self) -> str:
-        """The reply in progress, as far as it has been shown."""
-        return self._shown
+        """The reply in progress, as far as the engine has reported it."""
+        return self._text
 
     def apply_settings(self, settings: TabSettings | None) -> None:
         if settings is None:
@@ -158,7 +159,7 @@ class ChatPane(TabPane):
 
     def _begin_reply(self, text: str) -> None:
         self.replying = True
-        self._shown = text
+        self._text = self._shown = text
         self._reply = ChatMessage("assistant", text)
         self._transcript.mount(self._reply)
         self._stream = Markdown.get_stream(self._reply)
@@ -173,8 +174,11 @@ class ChatPane(TabPane):
         if not self.replying or output.request_id != self.conversation.request_id:
             return  # a stale report (an earlier request of this tab, or the one a fork starts with)
         completion = output.outputs[0]
-        await self._show(completion.text)
+        self._text = completion.text
+        if self.record:
+            self.record.reply_progress(self._text)
         if completion.finish_reason is not None:
+            await self.draw()
             await self._finish(output, completion)
 
     async def on_engine_error(self, message: EngineError) -> None:
@@ -182,7 +186,13 @@ class ChatPane(TabPane):
         if self.replying and message.request_id == self.conversation.request_id:
             await self._fail(message.error)
 
-    async def _show(self, text: str) -> None:
+    async def draw(self) -> None:
+        """Bring the reply on screen up to what the engine reported. The app calls this on its
+        tick, for the tab on show only, rather than each token: every redraw costs a layout of the
+        screen, and the UI thread shares the GIL with the engine, so each one slows generation."""
+        if self._stream is None or self._text == self._shown:
+            return
+        text = self._text
         if text.startswith(self._shown):
             await self._stream.write(visible(text[len(self._shown):]))
         else:  # a stop string cut text already shown
@@ -190,8 +200,6 @@ class ChatPane(TabPane):
             await self._reply.update(visible(text))
             self._stream = Markdown.get_stream(self._reply)
         self._shown = text
-        if self.record:
-            self.record.reply_progress(text)
 
     async def _finish(self, output: RequestOutput, completion: CompletionOutput) -> None:
         if completion.finish_reason == "error":
@@ -213,7 +221,7 @@ class ChatPane(TabPane):
 
     async def _fail(self, error: str) -> None:
         await self._end_reply()
-        if not self._shown and self._reply is not None:
+        if not self._text and self._reply is not None:
             await self._reply.remove()
         self._release(self.conversation.fail_turn())
         if self.record:

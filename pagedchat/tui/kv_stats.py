@@ -1,9 +1,9 @@
 """The pool in numbers, and the lesson the app exists to teach: paging against contiguous reservation."""
 
 from rich.text import Text
-from textual.widgets import Static
 
 from pagedchat.engine.snapshot import KVSnapshot
+from pagedchat.tui.text_panel import TextPanel
 
 LIVE = ("waiting", "running", "preempted", "parked")  # requests that hold (or will hold) blocks
 
@@ -34,8 +34,8 @@ def stats_text(snapshot: KVSnapshot) -> Text:
     return text
 
 
-class KVStats(Static):
-    """`free N/M blocks` and the numbers beside it; redrawn only when they change."""
+class KVStats(TextPanel):
+    """`free N/M blocks` and the numbers beside it."""
 
     DEFAULT_CSS = """
     KVStats {
@@ -45,7 +45,4 @@ class KVStats(Static):
     """
 
     def show(self, snapshot: KVSnapshot) -> None:
-        text = stats_text(snapshot)
-        if text.plain != getattr(self, "_plain", None):
-            self._plain = text.plain
-            self.update(text)
+        self.set_text(stats_text(snapshot))
