@@ -24,7 +24,7 @@ DEFAULT_THREADS = 1  # see THREADS_NOTE
 
 def plan(args) -> list[tuple[str, Callable[[], Section]]]:
     """(name, thunk) per section, in report order; imports are lazy so --only stays light."""
-    from bench import concurrency, multiturn, sharing, step_overhead, throughput, ui_overhead
+    from bench import concurrency, multiturn, sharing, soak, step_overhead, throughput, ui_overhead
 
     size = "full" if args.full else "quick" if args.quick else "default"
     quick = args.quick
@@ -43,6 +43,7 @@ def plan(args) -> list[tuple[str, Callable[[], Section]]]:
         jobs.append(("steps", lambda d=dtype: step_overhead.step_overhead_section(
             args.model, d, (1, 32), 3 if quick else 10, 64 if quick else 128)))
     jobs.append(("sharing", lambda: sharing.sharing_section(args.model, args.kv_dtype)))
+    jobs.append(("soak", lambda: soak.soak_section(steps=300 if quick else 2000)))  # its own tiny model: see soak.py
     return [(name, job) for name, job in jobs if not args.only or name in args.only]
 
 
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-dtype", default="bfloat16",
                         help="dtype that sizes the KV budget of the concurrency and sharing sections")
     parser.add_argument("--only", nargs="+", choices=("throughput", "issue2", "concurrency", "multiturn", "ui",
-                                                      "steps", "sharing"))
+                                                      "steps", "sharing", "soak"))
     parser.add_argument("--repeats", type=int, default=1, help="throughput rounds; each peer's best time counts")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch threads (default 1)")
     parser.add_argument("--output", type=Path, default=HERE / "RESULTS.md")

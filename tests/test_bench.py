@@ -3,7 +3,7 @@ its report has the expected shape. Never timings: those belong to bench/RESULTS.
 
 import pytest
 
-from bench import chart, concurrency, multiturn, sharing, step_overhead, throughput, ui_overhead
+from bench import chart, concurrency, multiturn, sharing, soak, step_overhead, throughput, ui_overhead
 from bench.common import Section, Table, fixed_requests, header, random_requests
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -70,6 +70,15 @@ def test_ui_overhead_runs_the_app(tiny_model):
     section = ui_overhead.ui_overhead_section(str(tiny_model), "float32", tabs=2, reply=3, rounds=2)
     kinds = [row[0].split(",")[0] for row in section.tables[0].rows]
     assert kinds == ["bare engine (step + kv_snapshot)"] * 3 + ["app (Pilot"] * 2
+
+
+def test_soak_reports_its_goals(tiny_model):
+    section = soak.soak_section(str(tiny_model), steps=30)
+    counts = dict(section.tables[0].rows)
+    assert counts["steps"] >= 30 and counts["invariant checks passed"] > counts["steps"]
+    assert counts["blocks leaked at the end (goal 0)"] == 0
+    assert counts["tokens differing from the lone run (goal 0)"] == 0
+    assert str(tiny_model) in section.settings[0]
 
 
 def test_chart_is_a_png(tmp_path):

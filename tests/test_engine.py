@@ -5,7 +5,7 @@ from functools import cache
 
 import pytest
 import torch
-from invariants import assert_all_free, assert_invariants
+from bench.invariants import assert_all_free, assert_invariants
 from transformers import AutoModelForCausalLM
 
 from pagedchat import LLM, SamplingParams

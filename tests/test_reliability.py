@@ -3,78 +3,28 @@
 import random
 
 import torch
-from invariants import assert_all_free, assert_invariants
+from bench import soak
+from bench.invariants import assert_all_free
 from test_engine import GREEDY, make_llm
 
 from pagedchat import SamplingParams
 
 
-def lone_run(engine, prompt: list[int], params: SamplingParams) -> list[int]:
-    engine.add_request("lone", prompt, params)
-    out = None
-    while engine.has_unfinished_requests():
-        out = next((o for o in engine.step() if o.finished), out)
-    return out.token_ids
-
-
 def test_soak_random_arrivals_aborts_forks_and_closes(tiny_model):
-    """Random traffic against a pool small enough to preempt often; afterwards every request that was not
-    aborted has exactly the tokens it gets alone, and every block is back in the pool."""
-    rng = random.Random(2024)
-    engine = make_llm(tiny_model, block_size=4, num_kv_blocks=40, max_num_batched_tokens=16, max_num_seqs=8).engine
-    origin: dict[str, tuple[list[int], SamplingParams]] = {}  # request -> the prompt and params it answers
-    aborted: set[str] = set()
-    finished: dict[str, list[int]] = {}
-    parked: list[str] = []
-    for step in range(260):
-        if step < 200 and rng.random() < 0.3:
-            rid = f"q{step}"
-            prompt = [rng.randrange(250) for _ in range(rng.randint(1, 30))]
-            params = SamplingParams(max_tokens=rng.randint(1, 20), **GREEDY)
-            keep = rng.random() < 0.3
-            engine.add_request(rid, prompt, params, keep=keep)
-            origin[rid] = (prompt, params)
-        running = [r.request_id for r in engine.kv_snapshot().requests if r.status == "running"]
-        if running and rng.random() < 0.04:
-            victim = rng.choice(running)
-            engine.abort_request(victim)
-            aborted.add(victim)
-        if running and rng.random() < 0.04:
-            src = rng.choice(running)
-            twin = f"{src}/fork{step}"
-            engine.fork_request(src, twin)
-            origin[twin] = origin[src]
-            if src in aborted:
-                aborted.add(twin)
-        if parked and rng.random() < 0.2:
-            engine.release_request(parked.pop(rng.randrange(len(parked))))  # a tab closed
-        for out in engine.step():
-            if out.finished and out.finish_reason != "abort":
-                finished[out.request_id] = out.token_ids
-                if out.request_id in {r.request_id for r in engine.kv_snapshot().requests if r.status == "parked"}:
-                    parked.append(out.request_id)
-        assert_invariants(engine.kv_snapshot())
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished and out.finish_reason != "abort":
-                finished[out.request_id] = out.token_ids
-        assert_invariants(engine.kv_snapshot())
-    for rid in parked + [r.request_id for r in engine.kv_snapshot().requests]:
-        engine.release_request(rid)
-    snap = engine.kv_snapshot()
-    assert_all_free(snap)
-    assert snap.num_preemptions > 0, "the pool was meant to run dry"
-    assert any(e.kind == "cow" for e in snap.events) or any("fork" in rid for rid in finished)
-
-    reference = make_llm(tiny_model, block_size=4, num_kv_blocks=40).engine
-    checked = 0
-    for rid, tokens in finished.items():
-        if rid in aborted:
-            continue
-        prompt, params = origin[rid]
-        assert tokens == lone_run(reference, prompt, params), rid
-        checked += 1
-    assert checked >= 30
+    """Random traffic against a pool small enough to preempt often (bench/soak.py at a test's size);
+    afterwards every request that was not aborted has exactly the tokens it gets alone, and every block
+    is back in the pool."""
+    engine = make_llm(tiny_model, **soak.POOL).engine
+    done = soak.soak(engine, soak.Traffic(steps=200, vocab=engine.runner.model.config.vocab_size), seed=2024)
+    assert done.leaked_blocks == 0
+    assert_all_free(engine.kv_snapshot())
+    assert done.checks > done.steps >= 200
+    assert done.preemptions > 0, "the pool was meant to run dry"
+    assert done.forks and done.cow_copies and done.follow_ups and done.closes and done.aborted
+    assert not done.errors
+    reference = make_llm(tiny_model, block_size=soak.POOL["block_size"], num_kv_blocks=soak.POOL["num_kv_blocks"]).engine
+    assert len(done.answers) >= 30
+    assert soak.mismatches(reference, done) == []
 
 
 def test_no_request_starves_under_constant_load(tiny_model):

@@ -1,6 +1,6 @@
 """Forks, copy-on-write and parallel samples: shared blocks are stored once and behave like copies."""
 
-from invariants import assert_all_free, assert_invariants
+from bench.invariants import assert_all_free, assert_invariants
 from test_engine import GREEDY, hf_greedy, make_llm, run_to_end
 
 from pagedchat import SamplingParams

@@ -1,7 +1,7 @@
 """The app driven by Pilot on the tiny random model: real engine, real engine thread."""
 
 import pytest
-from invariants import assert_invariants
+from bench.invariants import assert_invariants
 from test_tui_support import async_test, frozen_llm, make_snapshot, wait_until
 from textual.widgets import Input, TextArea
 

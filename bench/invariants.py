@@ -1,3 +1,6 @@
+"""DESIGN.md's block-pool invariants on a KVSnapshot: checked after every step by the tests and the soak
+benchmark, so they live here, importable by both."""
+
 from collections import Counter
 
 from pagedchat.engine.snapshot import KVSnapshot
