@@ -1,8 +1,9 @@
 """The app driven by Pilot on the tiny random model: real engine, real engine thread."""
 
 import pytest
-from bench.invariants import assert_invariants
+from bench.invariants import assert_all_free, assert_invariants
 from test_tui_support import async_test, frozen_llm, make_snapshot, wait_until
+from textual import events
 from textual.widgets import Input, TextArea
 
 from pagedchat import LLM, SamplingParams
@@ -187,14 +188,79 @@ async def test_regenerate_replaces_the_last_reply(make_app):
 
 @async_test
 async def test_a_full_context_says_so_and_offers_a_new_chat(make_app):
-    async with make_app(max_model_len=64).run_test(size=SIZE) as pilot:
+    async with make_app(max_model_len=128).run_test(size=SIZE) as pilot:
         app = await loaded(pilot)
         pane = app.current_pane
-        assert not pane.send("x" * 80)  # the byte tokenizer: 80 tokens, more than the whole context
-        assert pane.full and pane.conversation.turns == []
+        pane.send("hi")  # ~57 tokens with the system prompt, and a 24-token reply
+        await reply_done(pilot, pane)
+        # the byte tokenizer: 40 tokens, which a new chat takes but this one has no room left for
+        assert not pane.send("x" * 40)
+        assert pane.full and len(pane.conversation.turns) == 2
         await pilot.pause()
         await pilot.click(".new-chat")
         await wait_until(pilot, lambda: app.current_pane is not pane, what="a new chat")
+
+
+def notices(app: PagedChatApp) -> list[str]:
+    return [n.message for n in app._notifications]
+
+
+def record_sends(app: PagedChatApp) -> list[list[int]]:
+    """The prompts the app gives the engine thread from now on (new requests and next turns)."""
+    sent = []
+    worker, add, continue_ = app.worker, app.worker.add, app.worker.continue_
+    worker.add = lambda rid, ids, *rest: (sent.append(ids), add(rid, ids, *rest))
+    worker.continue_ = lambda rid, ids, *rest: (sent.append(ids), continue_(rid, ids, *rest))
+    return sent
+
+
+async def focused_box(pilot) -> tuple[PagedChatApp, MessageBox, list[list[int]]]:
+    """The app, its first tab's message box once it has the focus, and what that tab sends from now on."""
+    app = await loaded(pilot)
+    box = app.current_pane.query_one(MessageBox)
+    await wait_until(pilot, lambda: app.focused is box, what="the message box's focus")
+    return app, box, record_sends(app)
+
+
+async def still_chats(pilot, box: MessageBox, sent: list[list[int]]) -> None:
+    """The tab takes a short message and replies: the only thing it sent."""
+    box.clear()
+    await pilot.press(*"hi", "enter")
+    pane = pilot.app.current_pane
+    await reply_done(pilot, pane)
+    assert len(sent) == 1 and pane.conversation.turns[0].text == "hi"
+
+
+@async_test
+async def test_an_empty_message_is_not_sent(make_app):
+    async with make_app().run_test(size=SIZE) as pilot:
+        app, box, sent = await focused_box(pilot)
+        await pilot.press("enter")
+        box.insert("  \n\t ")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert notices(app) == ["The message is empty: nothing to send."] * 2
+        assert sent == [] and not app.current_pane.replying and app.current_pane.conversation.turns == []
+        await still_chats(pilot, box, sent)
+
+
+@async_test
+async def test_a_pasted_megabyte_is_kept_whole_and_refused_if_it_cannot_fit(make_app):
+    async with make_app().run_test(size=SIZE) as pilot:
+        app, box, sent = await focused_box(pilot)
+        line = "The quick brown fox jumps over the lazy dog, ünïcödé and all. " * 16 + "\n"
+        text = line * (1_000_000 // len(line) + 1)
+        app.post_message(events.Paste(text))  # as a terminal's bracketed paste arrives
+        await wait_until(pilot, lambda: box.text == text, what="the paste in the message box")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: notices(app), what="the refusal")
+        [refusal] = notices(app)
+        assert "\n" not in refusal and f"{len(text.strip()):,} characters" in refusal and "1,024" in refusal
+        assert box.text == text  # kept, to shorten
+        pane = app.current_pane
+        assert sent == [] and not pane.full and pane.conversation.turns == []
+        assert_all_free(app.worker._engine.kv_snapshot())  # the engine thread got nothing: it is idle
+        await still_chats(pilot, box, sent)
 
 
 @async_test

@@ -4,7 +4,7 @@ import pytest
 from conftest import byte_tokenizer
 
 from pagedchat.engine.chat import ChatSession
-from pagedchat.tui.conversation import ContextFull, Conversation
+from pagedchat.tui.conversation import ContextFull, Conversation, MessageTooLong
 
 TOKENIZER = byte_tokenizer()
 EOS = TOKENIZER.eos_token_id
@@ -50,6 +50,21 @@ def test_a_message_that_does_not_fit_changes_nothing():
         conv.send("x" * 200, max_len=len(before) + 50)
     assert conv._session.token_ids == before and len(conv.turns) == 2
     assert not conv.send("ok", max_len=len(before) + 50).new_request
+
+
+def test_a_message_no_new_chat_could_take_is_too_long_not_a_full_context():
+    conv = conversation()
+    conv.send("hi")
+    conv.add_reply("hello", reply("hello"))
+    max_len = conv.num_tokens + 50
+    with pytest.raises(ContextFull) as full:
+        conv.send("x" * 40, max_len)  # a new chat has room for it
+    assert not isinstance(full.value, MessageTooLong)
+    with pytest.raises(MessageTooLong, match=f"{max_len:,}"):
+        conv.send("x" * max_len, max_len)
+    with pytest.raises(MessageTooLong):
+        conversation().send("x" * max_len, max_len)  # the first turn of a new chat
+    assert len(conv.turns) == 2 and not conv.send("ok", max_len).new_request
 
 
 def test_fork_has_the_same_tokens_under_a_new_request():

@@ -8,7 +8,7 @@ from textual.widgets import Button, Markdown, Static, TabPane
 from pagedchat.engine.outputs import CompletionOutput, RequestOutput
 from pagedchat.tui.chat_message import ChatMessage, visible
 from pagedchat.tui.chat_record import ChatRecord
-from pagedchat.tui.conversation import ContextFull, Conversation, Send
+from pagedchat.tui.conversation import ContextFull, Conversation, MessageTooLong, Send
 from pagedchat.tui.message_box import MessageBox
 from pagedchat.tui.settings_screen import TabSettings
 from pagedchat.tui.worker import EngineError, EngineOutput, EngineWorker
@@ -91,6 +91,9 @@ class ChatPane(TabPane):
         else:
             try:
                 send = self.conversation.send(text, self.max_len)
+            except MessageTooLong as exc:  # the chat is not full: the message stays in the box to shorten
+                self.notify(f"Not sent: {exc}.", severity="error")
+                return False
             except ContextFull as exc:
                 self._context_full(str(exc))
                 return False

@@ -29,6 +29,10 @@ class ContextFull(Exception):
     """The message does not fit in what is left of the model's context."""
 
 
+class MessageTooLong(ContextFull):
+    """The message would not fit the model's context even as the first message of a new chat."""
+
+
 @dataclass(frozen=True)
 class Turn:
     role: str  # "user" | "assistant"
@@ -66,11 +70,18 @@ class Conversation:
         return self.turns[-1] if self.turns and self.turns[-1].role == "assistant" else None
 
     def send(self, text: str, max_len: int | None = None) -> Send:
-        """Add the user's message; raise ContextFull (changing nothing) if it cannot fit."""
+        """Add the user's message; raise ContextFull, or MessageTooLong if a new chat would not take it
+        either, changing nothing."""
         new_ids = self._session.user_turn(text)
         if max_len is not None and self.num_tokens >= max_len:
+            held = self.num_tokens - len(new_ids)
+            # on the first turn new_ids is the whole prompt: what a new chat would need
+            alone = len(new_ids) if not self.turns else len(self._new_session(self.system_prompt).user_turn(text))
             self._replay(self.turns)  # user_turn changed the session: undo it
-            raise ContextFull(f"the conversation has {self.num_tokens - len(new_ids)} of the model's "
+            if alone >= max_len:
+                raise MessageTooLong(f"the message is {len(text):,} characters, {alone:,} tokens with the chat "
+                                     f"template, and the model's context holds {max_len:,}: shorten it")
+            raise ContextFull(f"the conversation has {held} of the model's "
                               f"{max_len} tokens; this message needs {len(new_ids)} more")
         self.turns.append(Turn("user", text))
         if self.request_id is None:
