@@ -26,6 +26,8 @@ from unittest import mock
 
 import torch
 
+from pagedchat.engine.cpu_linear import multiply_in_fp32
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -355,4 +357,6 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device
     except Exception as error:  # a bad file shows up as OSError, SafetensorError, RuntimeError, ...
         raise ModelError(f"could not load the model in {path}: {_one_line(error)}") from error
     model.to(device).eval().requires_grad_(False)
+    if device.type == "cpu" and dtype != torch.float32 and not _cpu_has_fast_bf16():
+        multiply_in_fp32(model)
     return model, tokenizer
