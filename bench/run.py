@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     sizes.add_argument("--quick", action="store_true", help="small sizes: minutes")
     sizes.add_argument("--full", action="store_true", help="issue 6's full throughput workload")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"],
-                        help="dtypes of the throughput sections (bfloat16 as issues 2 and 6 ask; float32 is the "
-                             "fast one on CPUs without avx512_bf16/AMX)")
+                        help="dtypes of the throughput sections (bfloat16 as issues 2 and 6 ask; float32, the dtype of the "
+                             "token-for-token equality tests)")
     parser.add_argument("--other-dtype", nargs="+", default=["float32"],
                         help="dtypes of the multi-turn, UI and step sections (default: float32)")
     parser.add_argument("--kv-dtype", default="bfloat16",

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="attention: triton on a GPU, torch on the CPU (auto)")
     parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda", help="where the model runs (auto)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                        help="model and KV dtype (auto: bfloat16 where it is fast, else float32)")
+                        help="model and KV dtype (auto: bfloat16, float16 on a GPU without it)")
     parser.add_argument("--theme", default=DEFAULT_THEME, metavar="NAME",
                         help=f"one of {', '.join(load_themes())} ({DEFAULT_THEME}); switch in the app with ctrl+p")
     parser.add_argument("--demo", action="store_true",

@@ -219,10 +219,7 @@ def test_device_resolution(monkeypatch):
 def test_dtype_resolution(monkeypatch):
     cpu = torch.device("cpu")
     assert resolve_dtype("float16", cpu) == torch.float16
-    monkeypatch.setattr(loader, "_cpu_has_fast_bf16", lambda: True)
     assert resolve_dtype("auto", cpu) == torch.bfloat16
-    monkeypatch.setattr(loader, "_cpu_has_fast_bf16", lambda: False)
-    assert resolve_dtype("auto", cpu) == torch.float32
     assert "'fp8'" in model_error(resolve_dtype, "fp8", cpu)
 
 

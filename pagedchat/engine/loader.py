@@ -330,11 +330,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        # bf16 halves the work on CPUs with bf16 instructions; elsewhere it is emulated and slower.
-        return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+        # bf16 halves the weights a decode step streams from memory; on CPUs without bf16
+        # instructions its matmuls are done in fp32 (see load_model), still faster than fp32 weights.
+        return torch.bfloat16
     if dtype not in _DTYPES:
         raise ModelError(f"unknown dtype {dtype!r}: choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+def widens_matmuls(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model of this dtype multiplies in fp32 on this device (a CPU that emulates half precision)."""
+    return device.type == "cpu" and dtype != torch.float32 and not _cpu_has_fast_bf16()
 
 
 @functools.cache
@@ -357,6 +363,6 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device
     except Exception as error:  # a bad file shows up as OSError, SafetensorError, RuntimeError, ...
         raise ModelError(f"could not load the model in {path}: {_one_line(error)}") from error
     model.to(device).eval().requires_grad_(False)
-    if device.type == "cpu" and dtype != torch.float32 and not _cpu_has_fast_bf16():
+    if widens_matmuls(dtype, device):
         multiply_in_fp32(model)
     return model, tokenizer
