@@ -58,6 +58,23 @@ def test_fork_of_a_running_request_continues_identically(tiny_model):
     assert_all_free(engine.kv_snapshot())
 
 
+def test_forks_past_the_sequence_cap_wait_their_turn(tiny_model):
+    engine = make_llm(tiny_model, block_size=8, max_num_seqs=2).engine
+    params = SamplingParams(max_tokens=6, ignore_eos=True, **GREEDY)
+    engine.add_request("src", list(range(30, 45)), params)
+    engine.step()
+    for i in range(3):
+        engine.fork_request("src", f"fork{i}")
+    batch_sizes = []
+    forward = engine.runner.forward
+    engine.runner.forward = lambda batch: batch_sizes.append(len(batch)) or forward(batch)
+    outs = run_to_end(engine)
+    assert max(batch_sizes) == 2
+    assert sorted(outs) == ["fork0", "fork1", "fork2", "src"]
+    assert len({tuple(o.token_ids) for o in outs.values()}) == 1
+    assert_all_free(engine.kv_snapshot())
+
+
 def test_parallel_samples_share_the_prompt_and_match_single_seeds(tiny_model):
     llm = make_llm(tiny_model, block_size=8)
     engine = llm.engine

@@ -36,7 +36,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         for seq in list(self.running):
-            if budget == 0:
+            if budget == 0 or len(scheduled) == self.max_num_seqs:  # forks join running past the cap
                 break
             if seq.status is not Status.RUNNING:  # preempted by an earlier sequence of this loop
                 continue
