@@ -1,6 +1,8 @@
 """One message of a conversation, drawn as Markdown; a reply streams into it."""
 
+from textual.content import Content
 from textual.widgets import Markdown
+from textual.widgets._markdown import MarkdownParagraph
 
 # A model can emit control characters (ESC, backspace, ...); written raw they would move the
 # terminal's cursor and tear the screen. Show them as their Unicode control pictures instead.
@@ -10,6 +12,19 @@ _CONTROLS = {c: 0x2400 + c for c in range(0x20) if chr(c) not in "\n\t"} | {0x7F
 
 def visible(text: str) -> str:
     return text.translate(_CONTROLS)
+
+
+class StreamedParagraph(MarkdownParagraph):
+    """A paragraph that asks for a layout only when its wrapped height changes. A streamed reply
+    rewrites its last paragraph with every token, and a layout of the screen costs several times
+    a repaint (then the anchored transcript's scrollbar takes another frame)."""
+
+    def set_content(self, content: Content) -> None:
+        self._content = content
+        size = self.content_size
+        self.update(content, layout=False)
+        if not size.width or self.get_content_height(size, size, size.width) != size.height:
+            self.refresh(layout=True)
 
 
 class ChatMessage(Markdown):
@@ -36,6 +51,8 @@ class ChatMessage(Markdown):
         color: $text-warning;
     }
     """
+
+    BLOCKS = {**Markdown.BLOCKS, "paragraph_open": StreamedParagraph}
 
     def __init__(self, role: str, text: str = "") -> None:
         super().__init__(visible(text), classes=f"-{role}")
