@@ -290,12 +290,12 @@ async def test_an_engine_error_shows_in_its_tab_and_the_others_go_on(make_app):
 
 
 def test_whole_app_picture(snap_compare):
-    """The whole app in one theme, nothing live: a frozen engine showing a hand-made snapshot."""
+    """The whole app in one theme, nothing live: a frozen engine showing a hand-made snapshot (the
+    message box's cursor does not blink)."""
     picture = make_snapshot(tables={"chat-1.1": [0, 1, 2], "x.1": [0, 1, 4]}, fills={2: 7, 4: 3}, cached=(6,))
 
     async def loaded_and_still(pilot):
         await wait_until(pilot, lambda: pilot.app.current_pane is not None, what="the app")
-        pilot.app.query_one(MessageBox).cursor_blink = False
         await wait_until(pilot, lambda: snapshot(pilot.app) is not None, what="the panel")
 
     app = PagedChatApp(frozen_llm(picture), theme="harbor")

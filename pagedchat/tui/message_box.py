@@ -42,6 +42,9 @@ class MessageBox(TextArea):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(soft_wrap=True, show_line_numbers=False, compact=True, **kwargs)
+        # A steady cursor: blinking draws a frame twice a second, taken from the engine while
+        # replies stream, and wakes an idle app.
+        self.cursor_blink = False
         self.placeholder = "Message (enter sends, ctrl+j new line)"
 
     async def _on_key(self, event: events.Key) -> None:
