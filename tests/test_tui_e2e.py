@@ -64,7 +64,7 @@ def tiny_chat(tiny_model, state: Path) -> Terminal:
 
 def send(term: Terminal, text: str) -> None:
     term.keys(text, "Enter")
-    term.wait_for(r"chat 1 \d+ tok · generating", 30)
+    term.wait_for(r"chat 1 +\d+ tok · generating", 30)
 
 
 def test_chat_in_a_real_terminal(tiny_model, tmp_path):
@@ -77,7 +77,7 @@ def test_chat_in_a_real_terminal(tiny_model, tmp_path):
         term.keys("Escape")
         reply = term.wait_for(r"reply (\d+) tok · stopped", 30)
         assert int(reply[1]) > 0
-        term.wait_for(r"chat 1 \d+ tok · idle", 5)
+        term.wait_for(r"chat 1 +\d+ tok · idle", 5)
         assert "Hello, tiny model" in term.screen()
         term.keys("C-q")
         term.wait_for(r"(?m)^exit=0$", 30)

@@ -42,6 +42,7 @@ SLOW_MOTION = (0.0, 0.25, 1.0)  # seconds between steps, cycled by f3
 DEMO_TABS = 4
 DEMO_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=160)
 STATES = {"waiting": "waiting", "running": "generating", "preempted": "preempted"}
+STATE_WIDTH = max(map(len, STATES.values()))
 # Actions that belong to the chat screen: off while a dialog or the loading screen is up, so that
 # escape and friends reach the dialog despite being priority bindings.
 CHAT_ACTIONS = {"new_chat", "close_chat", "fork_chat", "stop", "regenerate", "pause", "step",
@@ -396,7 +397,9 @@ class PagedChatApp(App):
                 colour = self.theme_variables[SessionTag(pane.title, pane.colour).variable]
                 label = Text("■ ", style=colour)
                 label.append(f"{pane.title} ")
-                label.append(f"{tokens} tok · {state}", style="dim")
+                # Fixed-width fields: a tab that changes width shifts the tabs after it, and the
+                # active tab's underline then slides there over some twenty frames.
+                label.append(f"{tokens:>{len(str(self._max_len))}} tok · {state:<{STATE_WIDTH}}", style="dim")
                 self._tabbed.get_tab(key).label = label
 
     # -- commands ----------------------------------------------------------------------------------
