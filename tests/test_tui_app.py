@@ -43,6 +43,11 @@ def snapshot(app: PagedChatApp):
     return app.query_one(KVPanel).snapshot
 
 
+async def panel_caught_up(pilot, app: PagedChatApp) -> None:
+    """The panel draws the engine's latest snapshot (it may lag by up to MAX_DRAW_GAP_S)."""
+    await wait_until(pilot, lambda: snapshot(app) is app.worker.snapshot, what="the panel to catch up")
+
+
 async def reply_done(pilot, *panes) -> None:
     await wait_until(pilot, lambda: not any(p.replying for p in panes) and all(p.conversation.last_reply for p in panes),
                      what="the replies")
@@ -101,7 +106,7 @@ async def test_closing_a_tab_returns_the_blocks_only_it_held(make_app):
         second = app.current_pane
         second.send("two")
         await reply_done(pilot, first, second)
-        await wait_until(pilot, lambda: snapshot(app) is app.worker.snapshot, what="the panel to catch up")
+        await panel_caught_up(pilot, app)
         before = snapshot(app)
         own = [b for b in before.blocks if b.owners == (second.conversation.request_id,)]
         shared = [b for b in before.blocks if len(b.owners) == 2]
@@ -121,6 +126,7 @@ async def test_clicking_a_block_shows_what_it_holds(make_app):
         pane = app.current_pane
         pane.send("hi")
         await reply_done(pilot, pane)
+        await panel_caught_up(pilot, app)
         grid = app.query_one(BlockGrid)
         await pilot.click(BlockGrid, offset=(grid._gutter, 0))
         await wait_until(pilot, lambda: grid.cursor == 0, what="block 0 selected")

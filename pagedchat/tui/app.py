@@ -25,6 +25,7 @@ from pagedchat.tui.chat_record import ChatRecord
 from pagedchat.tui.conversation import DEFAULT_PARAMS, Conversation, Turn
 from pagedchat.tui.demo import SYSTEM_PROMPT as DEMO_SYSTEM_PROMPT
 from pagedchat.tui.demo import demo_scripts
+from pagedchat.tui.frame_budget import FrameBudget
 from pagedchat.tui.help_screen import HelpScreen
 from pagedchat.tui.kv_panel import KVPanel
 from pagedchat.tui.loading_screen import LoadingScreen
@@ -37,7 +38,9 @@ from pagedchat.tui.worker import EngineWorker
 log = logging.getLogger(__name__)
 
 POLL_HZ = 10
-LABEL_COUNT_EVERY_S = 2.0
+UI_CPU_SHARE = 0.03  # of a core, for drawing while the engine works (frame_budget.py)
+MAX_DRAW_GAP_S = 1.0
+LABEL_COUNT_EVERY_S = 5.0
 SLOW_MOTION = (0.0, 0.25, 1.0)  # seconds between steps, cycled by f3
 DEMO_TABS = 4
 DEMO_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=160)
@@ -98,6 +101,7 @@ class PagedChatApp(App):
         self._snapshot: KVSnapshot | None = None
         self._poll_timer: Timer | None = None
         self._quiet_polls = 0
+        self._frame_budget = FrameBudget(UI_CPU_SHARE, MAX_DRAW_GAP_S)
         self._demo_on = demo
         self._demo_scripts = demo_scripts()
         self._demo_tabs: dict[str, Iterator[str]] = {}
@@ -352,8 +356,13 @@ class PagedChatApp(App):
 
     async def _poll(self) -> None:
         """The UI's tick: the panel, the tab labels and the reply on show change together, in one
-        frame (a frame per change costs the engine a slice of the GIL each)."""
+        frame, as often as the frame budget allows while the engine runs (each frame costs the
+        engine a slice of a core and of the GIL)."""
         if not self.is_running:  # shutting down: the widgets are going away
+            return
+        # The budget guards a running engine; in teaching mode each step is drawn at once.
+        teaching = self.worker.paused or self.worker.delay
+        if not self._frame_budget.due() and not teaching:
             return
         if (pane := self.current_pane) is not None:
             await pane.draw()
@@ -391,7 +400,8 @@ class PagedChatApp(App):
             tokens = info.num_tokens if info else pane.conversation.num_tokens
             look = (pane.title, self.theme, state)
             shown_look, shown_tokens, shown_at = self._labels.get(key, (None, None, 0.0))
-            # A relabelled tab relayouts the tab bar: the count alone changes it every 2 s at most.
+            # A relabel lays out the whole screen (~15 ms here): the count alone changes it every
+            # LABEL_COUNT_EVERY_S at most; the block tables show it live.
             if look != shown_look or (tokens != shown_tokens and now - shown_at >= LABEL_COUNT_EVERY_S):
                 self._labels[key] = (look, tokens, now)
                 colour = self.theme_variables[SessionTag(pane.title, pane.colour).variable]
