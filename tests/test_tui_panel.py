@@ -1,10 +1,13 @@
 """The KV panel drawn from hand-made snapshots: pictures, and what the grid refreshes."""
 
+import dataclasses
+
 from test_tui_support import PanelApp, async_test, events, make_snapshot
 
 from pagedchat.tui.block_detail import BlockDetail
 from pagedchat.tui.block_grid import BlockGrid, cell_for
-from pagedchat.tui.kv_stats import contiguous_blocks, stats_text
+from pagedchat.tui.event_log import EventLog
+from pagedchat.tui.kv_stats import KVStats, contiguous_blocks, stats_text
 from pagedchat.tui.themes import SessionTag, load_themes
 
 SIZE = (60, 44)
@@ -67,6 +70,34 @@ async def test_only_changed_rows_are_refreshed():
         app.query_one("KVPanel").show(make_snapshot(num_blocks=1024, tables={"a.1": [0, 1, 2]}, fills={2: 1}))
         await pilot.pause()
         assert refreshed == [0]  # block 2 is on the first row; nothing else is redrawn
+
+
+@async_test
+async def test_a_new_snapshot_repaints_only_the_stats_lines_that_changed():
+    app = PanelApp(SHARED)
+    async with app.run_test(size=SIZE) as pilot:
+        stats = app.query_one(KVStats)
+        refreshed = []
+        stats.refresh = lambda *regions, layout=False, **kwargs: refreshed.append((regions, layout))
+        app.query_one("KVPanel").show(dataclasses.replace(SHARED, step=8))
+        await pilot.pause()
+        assert [(region.y, layout) for (region,), layout in refreshed] == [(2, False)]  # "· step 8"
+
+
+@async_test
+async def test_the_event_log_follows_new_events_without_a_layout():
+    app = PanelApp(SHARED)
+    async with app.run_test(size=SIZE) as pilot:
+        log = app.query_one(EventLog)
+        layouts = []
+        refresh = log.refresh
+        log.refresh = lambda *regions, layout=False, **kwargs: layouts.append(layout) or refresh(*regions, **kwargs)
+        many = events(*((step, "allocate", step % 64, "a.1") for step in range(10, 110)))
+        app.query_one("KVPanel").show(dataclasses.replace(SHARED, events=many))
+        await pilot.pause(0.1)
+        assert log.virtual_size.height == len(log.lines) > log.size.height
+        assert log.scroll_y == log.max_scroll_y  # the newest event is in view
+        assert not any(layouts)
 
 
 @async_test

@@ -4,6 +4,8 @@ from collections.abc import Callable
 from itertools import groupby
 
 from rich.text import Text
+from textual.geometry import Size
+from textual.reactive import Reactive
 from textual.widgets import RichLog
 
 from pagedchat.engine.snapshot import BlockEvent, KVSnapshot
@@ -24,6 +26,14 @@ class EventLog(RichLog):
         scrollbar-size-vertical: 1;
     }
     """
+
+    # Each new line grows what the log scrolls over, and Widget's `virtual_size` asks for a layout
+    # of the whole screen then (~15 ms here, most snapshots while replies stream). The log's own
+    # size is fixed (1fr): it updates its scrollbars itself instead.
+    virtual_size: Reactive[Size] = Reactive(Size(0, 0), layout=False)
+
+    def watch_virtual_size(self, size: Size) -> None:
+        self._scroll_update(size)
 
     def __init__(self, **kwargs) -> None:
         super().__init__(max_lines=400, wrap=False, markup=False, **kwargs)
