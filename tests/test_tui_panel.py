@@ -72,32 +72,39 @@ async def test_only_changed_rows_are_refreshed():
         assert refreshed == [0]  # block 2 is on the first row; nothing else is redrawn
 
 
+def record_refreshes(widget) -> list[tuple[tuple, bool]]:
+    """(regions, layout) of each call of the widget's refresh, which still refreshes."""
+    calls = []
+    refresh = widget.refresh
+
+    def spy(*regions, layout=False, **kwargs):
+        calls.append((regions, layout))
+        return refresh(*regions, layout=layout, **kwargs)
+
+    widget.refresh = spy
+    return calls
+
+
 @async_test
 async def test_a_new_snapshot_repaints_only_the_stats_lines_that_changed():
-    app = PanelApp(SHARED)
-    async with app.run_test(size=SIZE) as pilot:
-        stats = app.query_one(KVStats)
-        refreshed = []
-        stats.refresh = lambda *regions, layout=False, **kwargs: refreshed.append((regions, layout))
-        app.query_one("KVPanel").show(dataclasses.replace(SHARED, step=8))
+    async with PanelApp(SHARED).run_test(size=SIZE) as pilot:
+        refreshed = record_refreshes(pilot.app.query_one(KVStats))
+        pilot.app.query_one("KVPanel").show(dataclasses.replace(SHARED, step=8))
         await pilot.pause()
         assert [(region.y, layout) for (region,), layout in refreshed] == [(2, False)]  # "· step 8"
 
 
 @async_test
 async def test_the_event_log_follows_new_events_without_a_layout():
-    app = PanelApp(SHARED)
-    async with app.run_test(size=SIZE) as pilot:
-        log = app.query_one(EventLog)
-        layouts = []
-        refresh = log.refresh
-        log.refresh = lambda *regions, layout=False, **kwargs: layouts.append(layout) or refresh(*regions, **kwargs)
+    async with PanelApp(SHARED).run_test(size=SIZE) as pilot:
+        log = pilot.app.query_one(EventLog)
+        refreshed = record_refreshes(log)
         many = events(*((step, "allocate", step % 64, "a.1") for step in range(10, 110)))
-        app.query_one("KVPanel").show(dataclasses.replace(SHARED, events=many))
+        pilot.app.query_one("KVPanel").show(dataclasses.replace(SHARED, events=many))
         await pilot.pause(0.1)
         assert log.virtual_size.height == len(log.lines) > log.size.height
         assert log.scroll_y == log.max_scroll_y  # the newest event is in view
-        assert not any(layouts)
+        assert not any(layout for _, layout in refreshed)
 
 
 @async_test
