@@ -1,5 +1,7 @@
 """The app driven by Pilot on the tiny random model: real engine, real engine thread."""
 
+import threading
+
 import pytest
 from bench.invariants import assert_all_free, assert_invariants
 from test_tui_support import async_test, frozen_llm, make_snapshot, wait_until
@@ -14,6 +16,7 @@ from pagedchat.tui.block_grid import BlockGrid
 from pagedchat.tui.chat_message import ChatMessage
 from pagedchat.tui.help_screen import HelpScreen
 from pagedchat.tui.kv_panel import KVPanel
+from pagedchat.tui.loading_screen import LoadingScreen
 from pagedchat.tui.message_box import MessageBox
 from pagedchat.tui.restore_screen import RestoreScreen
 from pagedchat.tui.settings_screen import SettingsScreen
@@ -26,16 +29,25 @@ LONG = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
 
 @pytest.fixture
 def make_app(tiny_model):
-    def make(params: SamplingParams = SHORT, **llm_kwargs) -> PagedChatApp:
+    def make(params: SamplingParams = SHORT, gate: threading.Event | None = None, **llm_kwargs) -> PagedChatApp:
+        """`gate`: the loading waits for it, so a test can act while the loading screen is up."""
         kwargs = dict(dtype="float32", device="cpu", attention_backend="torch", num_kv_blocks=96) | llm_kwargs
-        return PagedChatApp(lambda: LLM(model=tiny_model, **kwargs), params=params)
+
+        def load() -> LLM:
+            if gate is not None:
+                gate.wait(60)
+            return LLM(model=tiny_model, **kwargs)
+
+        return PagedChatApp(load, params=params)
 
     return make
 
 
 async def loaded(pilot) -> PagedChatApp:
     app = pilot.app
-    await wait_until(pilot, lambda: app.current_pane is not None, what="the model to load")
+    # The first tab opens under the loading screen, which then closes.
+    await wait_until(pilot, lambda: app.current_pane is not None and not isinstance(app.screen, LoadingScreen),
+                     what="the model to load")
     return app
 
 
@@ -93,6 +105,42 @@ async def test_escape_stops_the_reply_and_keeps_what_came(make_app):
         assert "stopped" in str(pane.query_one("#turn-info").render())
         info = {r.request_id: r for r in app.worker.snapshot.requests}[pane.conversation.request_id]
         assert info.status == "parked"  # the conversation stays resident for the next turn
+
+
+async def loading(pilot, app: PagedChatApp) -> LoadingScreen:
+    await wait_until(pilot, lambda: isinstance(app.screen, LoadingScreen), what="the loading screen")
+    return app.screen
+
+
+@async_test
+async def test_a_message_sent_while_the_model_loads_is_answered_once_it_is_ready(make_app):
+    gate = threading.Event()
+    app = make_app(gate=gate)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await loading(pilot, app)
+        screen.query_one(MessageBox).text = "hello while loading"
+        await pilot.press("enter")
+        assert screen.sent
+        gate.set()
+        await loaded(pilot)
+        pane = app.current_pane
+        await reply_done(pilot, pane)
+        assert pane.conversation.turns[0].text == "hello while loading"
+        assert pane.query_one(MessageBox).text == ""
+
+
+@async_test
+async def test_a_draft_typed_while_the_model_loads_waits_in_the_chat_box(make_app):
+    gate = threading.Event()
+    app = make_app(gate=gate)
+    async with app.run_test(size=SIZE) as pilot:
+        await loading(pilot, app)
+        await pilot.press(*"draft")
+        gate.set()
+        await loaded(pilot)
+        box = app.current_pane.query_one(MessageBox)
+        assert box.text == "draft" and app.screen.focused is box
+        assert not app.current_pane.conversation.turns
 
 
 @async_test
@@ -301,7 +349,7 @@ def test_whole_app_picture(snap_compare):
     picture = make_snapshot(tables={"chat-1.1": [0, 1, 2], "x.1": [0, 1, 4]}, fills={2: 7, 4: 3}, cached=(6,))
 
     async def loaded_and_still(pilot):
-        await wait_until(pilot, lambda: pilot.app.current_pane is not None, what="the app")
+        await loaded(pilot)
         await wait_until(pilot, lambda: snapshot(pilot.app) is not None, what="the panel")
 
     app = PagedChatApp(frozen_llm(picture), theme="harbor")
@@ -312,7 +360,7 @@ def test_whole_app_picture(snap_compare):
 async def test_help_settings_and_palette():
     app = PagedChatApp(frozen_llm(make_snapshot()), theme="harbor")
     async with app.run_test(size=SIZE) as pilot:
-        await wait_until(pilot, lambda: app.current_pane is not None, what="the app")
+        await loaded(pilot)
         await pilot.press("f1")
         assert isinstance(app.screen, HelpScreen)
         await pilot.press("escape")  # reaches the dialog: the chat's escape (stop) is off under it

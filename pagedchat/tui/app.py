@@ -146,17 +146,39 @@ class PagedChatApp(App):
         self._max_len = engine.config.max_model_len
         self.worker = EngineWorker(engine, on_command=self._wake)
         self.worker.start()
-        self.pop_screen()
         self._poll_timer = self.set_interval(1 / POLL_HZ, self._poll)
         saved = self.history.open_chats() if self.history and not self._demo_on else []
         if saved:
-            self.push_screen(RestoreScreen(saved), lambda restore: self._restore(saved, restore))
-        elif self._demo_on:
+            typed = self._close_loading()
+            self.push_screen(RestoreScreen(saved), lambda restore: self._restore(saved, restore, typed))
+            return
+        # The first tabs open under the loading screen, whose message box takes the keys meanwhile.
+        if self._demo_on:
             await self._start_demo()
         else:
             await self.action_new_chat()
+        self._carry_over(*self._close_loading())
 
-    async def _restore(self, saved: list[SavedChat], restore: bool) -> None:
+    def _close_loading(self) -> tuple[str, bool]:
+        """Pop the loading screen: what the user typed there, and whether they sent it."""
+        loading = self.screen
+        assert isinstance(loading, LoadingScreen)
+        typed = loading.typed, loading.sent
+        self.pop_screen()
+        return typed
+
+    def _carry_over(self, text: str, sent: bool) -> None:
+        """What the user typed while the model loaded reaches the tab on show: a message they sent
+        is sent (or stays in the box, with the tab's notice why, if the tab refuses it); a draft
+        waits in the box."""
+        pane = self.current_pane
+        if not text or pane is None or (sent and pane.send(text)):
+            return
+        box = pane.query_one(MessageBox)
+        box.text = text
+        box.move_cursor(box.document.end)
+
+    async def _restore(self, saved: list[SavedChat], restore: bool, typed: tuple[str, bool]) -> None:
         for chat in saved:
             if restore:
                 conversation, _ = self._new_conversation(chat.system_prompt, self._params_of(chat.settings))
@@ -168,6 +190,7 @@ class PagedChatApp(App):
             self.history.close_chat(chat.chat_id)  # a restored tab lives on as a new chat
         if not self._panes:
             await self.action_new_chat()
+        self._carry_over(*typed)
 
     def _params_of(self, settings: dict) -> SamplingParams:
         try:
@@ -251,9 +274,10 @@ class PagedChatApp(App):
     def _focus_box(self, pane: ChatPane) -> None:
         # Screen.set_focus now, not Widget.focus(), which focuses later (call_later), when the
         # active tab may have moved on: focusing then would switch the tab back.
+        # The box's own screen: the first tab opens while the loading screen is still on top.
         box = pane.query_one(MessageBox)
-        if self.screen.focused is not box:
-            self.screen.set_focus(box)
+        if box.screen.focused is not box:
+            box.screen.set_focus(box)
 
     # -- the current conversation ------------------------------------------------------------------
 
