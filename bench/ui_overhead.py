@@ -11,7 +11,7 @@ and each side's mean is compared, so that a drift in the machine's load hits bot
 import asyncio
 import time
 
-from bench.common import Section, Table, Times, arg_parser, load_llm, start, stopwatch
+from bench.common import Section, Table, Times, arg_parser, load_average, load_llm, start, stopwatch
 
 MESSAGES = ["Tell me about the ocean.", "How do bees make honey?", "Describe a busy market.",
             "What is a black hole?", "Write a short poem about rain.", "Explain how a bicycle works.",
@@ -72,7 +72,9 @@ async def in_app(llm, tabs: int, reply: int) -> Times:
 
 
 def ui_overhead_section(model: str | None, dtype: str, tabs: int = 4, reply: int = 48, rounds: int = 2) -> Section:
-    from pagedchat.tui.app import POLL_HZ
+    from pagedchat.tui.app import POLL_HZ, UI_CPU_SHARE
+
+    load = load_average()
 
     def fresh_llm():  # first calls allocate: a short generate keeps that out of the measured runs
         llm = load_llm(model, dtype)
@@ -100,9 +102,9 @@ def ui_overhead_section(model: str | None, dtype: str, tabs: int = 4, reply: int
     return Section(
         f"4. UI overhead ({dtype})",
         settings=[f"{tabs} chat tabs, one message each sent at once, greedy replies of {reply} tokens; app headless "
-                  f"under Textual's Pilot at {SIZE[0]}x{SIZE[1]} cells (the shown reply and the KV panel drawn at {POLL_HZ} Hz "
-                  "at most); "
-                  "runs alternate bare, app, bare, ..."],
+                  f"under Textual's Pilot at {SIZE[0]}x{SIZE[1]} cells (the shown reply and the KV panel drawn at most "
+                  f"{POLL_HZ} times a second, and only as often as {UI_CPU_SHARE:.0%} of a core pays for); "
+                  "runs alternate bare, app, bare, ...", f"load average at the start (1/5/15 min): {load}"],
         tables=[Table(["run", "tokens / wall s", "tokens / CPU s (all threads)"], rows)],
         notes=[f"goal app / bare >= 0.95 (mean wall tokens/s): {ratio:.2f} -> {'met' if ratio >= 0.95 else 'MISSED'}",
                f"tokens per CPU second, app / bare: {cpu_ratio:.2f} (the UI thread's own CPU counted as overhead, "
