@@ -273,8 +273,8 @@ class PagedChatApp(App):
 
     def _focus_box(self, pane: ChatPane) -> None:
         # Screen.set_focus now, not Widget.focus(), which focuses later (call_later), when the
-        # active tab may have moved on: focusing then would switch the tab back.
-        # The box's own screen: the first tab opens while the loading screen is still on top.
+        # active tab may have moved on: focusing then would switch the tab back. The box's own
+        # screen, not the app's: the first tab opens while the loading screen is still on top.
         box = pane.query_one(MessageBox)
         if box.screen.focused is not box:
             box.screen.set_focus(box)
