@@ -63,19 +63,20 @@ def tiny_chat(tiny_model, state: Path) -> Terminal:
 
 
 def send(term: Terminal, text: str) -> None:
+    """Type a message and wait until it is in the conversation (the tiny model may have answered it
+    whole between two frames, so "generating" need not ever show)."""
     term.keys(text, "Enter")
-    term.wait_for(r"chat 1 +\d+ tok · generating", 30)
+    term.wait_for(rf"(?m)^ *▌ {re.escape(text)}", 30)
 
 
 def test_chat_in_a_real_terminal(tiny_model, tmp_path):
     term = tiny_chat(tiny_model, tmp_path)
     try:
         send(term, "Hello, tiny model")
-        used = term.wait_for(r"free (\d+)/64 blocks", 5)
-        assert int(used[1]) < 64
+        term.wait_for(r"free (?!64/)\d+/64 blocks", 30)  # the conversation holds blocks
         time.sleep(1.0)
-        term.keys("Escape")
-        reply = term.wait_for(r"reply (\d+) tok · stopped", 30)
+        term.keys("Escape")  # stops the reply, unless the random model ended it first
+        reply = term.wait_for(r"reply (\d+) tok", 30)
         assert int(reply[1]) > 0
         term.wait_for(r"chat 1 +\d+ tok · idle", 5)
         assert "Hello, tiny model" in term.screen()

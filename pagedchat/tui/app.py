@@ -424,9 +424,11 @@ class PagedChatApp(App):
             tokens = info.num_tokens if info else pane.conversation.num_tokens
             look = (pane.title, self.theme, state)
             shown_look, shown_tokens, shown_at = self._labels.get(key, (None, None, 0.0))
-            # A relabel lays out the whole screen (~15 ms here): the count alone changes it every
-            # LABEL_COUNT_EVERY_S at most; the block tables show it live.
-            if look != shown_look or (tokens != shown_tokens and now - shown_at >= LABEL_COUNT_EVERY_S):
+            # A relabel lays out the whole screen (~15 ms here): while a reply streams the count
+            # alone changes it every LABEL_COUNT_EVERY_S at most (the block tables show it live);
+            # at rest it is exact, since the ticks stop soon after the engine does.
+            count_due = state == "idle" or now - shown_at >= LABEL_COUNT_EVERY_S
+            if look != shown_look or (tokens != shown_tokens and count_due):
                 self._labels[key] = (look, tokens, now)
                 colour = self.theme_variables[SessionTag(pane.title, pane.colour).variable]
                 label = Text("■ ", style=colour)
