@@ -201,7 +201,7 @@ def soak_section(model: str | None = None, steps: int = 2000, seed: int = 0) -> 
         ["aborted", len(done.aborted)],
         ["finished with an error (goal 0)", len(done.errors)],
         ["answers (turns finished, not aborted), each checked against a lone run", len(done.answers)],
-        ["tokens differing from the lone run (goal 0)", len(wrong)],
+        ["answers differing from their lone run (goal 0)", len(wrong)],
         ["preemptions", done.preemptions],
         ["copy-on-write copies", done.cow_copies],
         ["peak running", done.peak_running],

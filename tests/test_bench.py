@@ -77,7 +77,7 @@ def test_soak_reports_its_goals(tiny_model):
     counts = dict(section.tables[0].rows)
     assert counts["steps"] >= 30 and counts["invariant checks passed"] > counts["steps"]
     assert counts["blocks leaked at the end (goal 0)"] == 0
-    assert counts["tokens differing from the lone run (goal 0)"] == 0
+    assert counts["answers differing from their lone run (goal 0)"] == 0
     assert str(tiny_model) in section.settings[0]
 
 

@@ -330,8 +330,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        # bf16 halves the weights a decode step streams from memory; on CPUs without bf16
-        # instructions its matmuls are done in fp32 (see load_model), still faster than fp32 weights.
+        # bf16 halves the model's memory; on CPUs without bf16 instructions its matmuls are done in
+        # fp32 (see load_model and cpu_linear), as fast as a model held in fp32 or faster.
         return torch.bfloat16
     if dtype not in _DTYPES:
         raise ModelError(f"unknown dtype {dtype!r}: choose auto, {', '.join(_DTYPES)}")
