@@ -353,6 +353,7 @@ def test_whole_app_picture(snap_compare):
         await wait_until(pilot, lambda: snapshot(pilot.app) is not None, what="the panel")
 
     app = PagedChatApp(frozen_llm(picture), theme="harbor")
+    app.animation_level = "none"  # the tab underline in place, not caught sliding there
     assert snap_compare(app, terminal_size=SIZE, run_before=loaded_and_still)
 
 

@@ -12,6 +12,7 @@ from textual import work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal
+from textual.content import Content
 from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, TabbedContent, Tabs
@@ -215,7 +216,10 @@ class PagedChatApp(App):
         used = {pane.colour for pane in self._panes.values()}
         colour = next((c for c in range(SESSION_COLOURS) if c not in used), self._tabs_opened % SESSION_COLOURS)
         chat_record = ChatRecord(self.history, conversation, title) if self.history and record else None
-        pane = ChatPane(conversation, title, colour, self.worker, self._max_len, chat_record)
+        # Labelled in full from the start: the tab underline takes the label's width once, when the
+        # tab is activated, and would keep a shorter first label's width.
+        label = self._tab_label(title, colour, conversation.num_tokens, "idle")
+        pane = ChatPane(conversation, title, colour, self.worker, self._max_len, chat_record, label)
         self._panes[conversation.key] = pane
         await self._tabbed.add_pane(pane)
         self._tabbed.active = pane.id
@@ -430,13 +434,15 @@ class PagedChatApp(App):
             count_due = state == "idle" or now - shown_at >= LABEL_COUNT_EVERY_S
             if look != shown_look or (tokens != shown_tokens and count_due):
                 self._labels[key] = (look, tokens, now)
-                colour = self.theme_variables[SessionTag(pane.title, pane.colour).variable]
-                label = Text("■ ", style=colour)
-                label.append(f"{pane.title} ")
-                # Fixed-width fields: a tab that changes width shifts the tabs after it, and the
-                # active tab's underline then slides there over some twenty frames.
-                label.append(f"{tokens:>{len(str(self._max_len))}} tok · {state:<{STATE_WIDTH}}", style="dim")
-                self._tabbed.get_tab(key).label = label
+                self._tabbed.get_tab(key).label = self._tab_label(pane.title, pane.colour, tokens, state)
+
+    def _tab_label(self, title: str, colour: int, tokens: int, state: str) -> Content:
+        label = Text("■ ", style=self.theme_variables[SessionTag(title, colour).variable])
+        label.append(f"{title} ")
+        # Fixed-width fields: a tab that changes width shifts the tabs after it, and the active
+        # tab's underline then slides there over some twenty frames.
+        label.append(f"{tokens:>{len(str(self._max_len))}} tok · {state:<{STATE_WIDTH}}", style="dim")
+        return Content.from_rich_text(label)
 
     # -- commands ----------------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from textual import events
 from textual.app import ComposeResult
+from textual.content import Content
 from textual.containers import VerticalScroll
 from textual.widgets import Button, Markdown, Static, TabPane
 
@@ -40,8 +41,8 @@ class ChatPane(TabPane):
 
     def __init__(self, conversation: Conversation, title: str, colour: int,
                  worker: EngineWorker | None = None, max_len: int | None = None,
-                 record: ChatRecord | None = None) -> None:
-        super().__init__(title, id=conversation.key)
+                 record: ChatRecord | None = None, label: Content | None = None) -> None:
+        super().__init__(label or title, id=conversation.key)
         self.conversation = conversation
         self.record = record  # where the conversation is saved; None with --no-history
         self.title = title
