@@ -38,7 +38,7 @@ def plan(args) -> list[tuple[str, Callable[[], Section]]]:
         jobs.append(("multiturn", lambda d=dtype: multiturn.multiturn_section(args.model, d, 10, 4 if quick else 16)))
     for dtype in args.other_dtype:
         jobs.append(("ui", lambda d=dtype: ui_overhead.ui_overhead_section(
-            args.model, d, 2 if quick else 4, 12 if quick else 48, 1 if quick else 2)))
+            args.model, d, 2 if quick else 4, 12 if quick else 48, 1 if quick else 5)))
     for dtype in args.other_dtype:
         jobs.append(("steps", lambda d=dtype: step_overhead.step_overhead_section(
             args.model, d, (1, 32), 3 if quick else 10, 64 if quick else 128)))

@@ -1,14 +1,17 @@
 """The engine thread against a scripted engine: it sleeps when idle, pauses and steps, and keeps
 serving when a command or a step fails."""
 
+import sys
 import threading
 import time
+
+import pytest
 
 from test_tui_support import make_snapshot
 
 from pagedchat.engine.outputs import CompletionOutput, RequestOutput
 from pagedchat.engine.params import SamplingParams
-from pagedchat.tui.worker import EngineError, EngineOutput, EngineWorker
+from pagedchat.tui.worker import GIL_SWITCH_INTERVAL_S, EngineError, EngineOutput, EngineWorker
 
 PARAMS = SamplingParams(max_tokens=4)
 
@@ -102,6 +105,15 @@ def test_runs_requests_to_the_end_then_sleeps():
     assert engine.steps == steps == 4  # idle: no step runs without work
     assert worker.snapshot.step == 4
     worker.stop()
+
+
+def test_the_gil_changes_hands_often_while_the_engine_thread_runs():
+    before = sys.getswitchinterval()
+    assert before != pytest.approx(GIL_SWITCH_INTERVAL_S)
+    worker = started(ScriptedEngine())
+    assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S)
+    worker.stop()
+    assert sys.getswitchinterval() == before
 
 
 def test_pause_and_single_steps():

@@ -1,6 +1,8 @@
 """One message of a conversation, drawn as Markdown; a reply streams into it."""
 
 from textual.content import Content
+from textual.geometry import Size
+from textual.reactive import Reactive
 from textual.widgets import Markdown
 from textual.widgets._markdown import MarkdownParagraph
 
@@ -14,7 +16,15 @@ def visible(text: str) -> str:
     return text.translate(_CONTROLS)
 
 
-class StreamedParagraph(MarkdownParagraph):
+class _SizedByLayout:
+    """A widget that does not scroll: its virtual size is its size, set by the layout that just
+    placed it. Widget's `virtual_size` asks for another layout of the whole screen when it changes,
+    so each message that grew cost two layouts (~25 ms and ~10 ms here) instead of one."""
+
+    virtual_size: Reactive[Size] = Reactive(Size(0, 0), layout=False)
+
+
+class StreamedParagraph(_SizedByLayout, MarkdownParagraph):
     """A paragraph that asks for a layout only when its wrapped height changes. A streamed reply
     rewrites its last paragraph with every token, and a layout of the screen costs several times
     a repaint (then the anchored transcript's scrollbar takes another frame)."""
@@ -27,7 +37,7 @@ class StreamedParagraph(MarkdownParagraph):
             self.refresh(layout=True)
 
 
-class ChatMessage(Markdown):
+class ChatMessage(_SizedByLayout, Markdown):
     DEFAULT_CSS = """
     ChatMessage {
         margin: 0 0 1 0;
