@@ -98,8 +98,8 @@ def test_runs_requests_to_the_end_then_sleeps():
     worker.add("a", [1], PARAMS, a)
     worker.add("b", [1], SamplingParams(max_tokens=2), b)
     wait_for(lambda: a.finished() and b.finished())
-    assert [m.output.outputs[0].new_text for m in a.messages] == ["x"] * 4
-    assert len(b.messages) == 2
+    assert [m.output.finish_reason for m in a.messages + b.messages] == ["length", "length"]  # the ends only
+    assert worker.progress("a") is worker.progress("b") is None
     steps = engine.steps
     time.sleep(0.1)
     assert engine.steps == steps == 4  # idle: no step runs without work
@@ -114,6 +114,26 @@ def test_the_gil_changes_hands_often_while_the_engine_thread_runs():
     assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S)
     worker.stop()
     assert sys.getswitchinterval() == before
+
+
+def test_a_reply_in_progress_is_polled_and_only_its_end_is_posted():
+    engine = ScriptedEngine()
+    worker = started(engine)
+    worker.set_paused(True)
+    sink, closed = Sink(), Sink()
+    worker.add("a", [1], PARAMS, sink)
+    worker.add("closed", [1], PARAMS, closed)
+    for step in (1, 2):
+        worker.step_once()
+        wait_for(lambda: engine.steps == step)
+        wait_for(lambda: worker.progress("a") is not None and worker.progress("closed") is not None)
+        assert worker.progress("a").outputs[0].finish_reason is None and sink.messages == []
+    worker.release("closed")  # a tab closed while its reply ran: nothing of it stays behind
+    wait_for(lambda: worker.progress("closed") is None)
+    worker.set_paused(False)
+    wait_for(sink.finished)
+    assert worker.progress("a") is None and len(sink.messages) == 1 and closed.messages == []
+    worker.stop()
 
 
 def test_pause_and_single_steps():

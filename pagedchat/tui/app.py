@@ -271,9 +271,11 @@ class PagedChatApp(App):
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
         # A stale activation (the tab changed again since) must not pull focus back to its pane:
-        # focusing a pane activates its tab, and two such messages in flight would ping-pong.
-        if isinstance(event.pane, ChatPane) and event.pane.id == self._tabbed.active:
-            self._focus_box(event.pane)
+        # focusing a pane activates its tab, and two such messages in flight would ping-pong. One
+        # that arrives while the app closes finds the widgets gone (is_attached is False then).
+        pane = event.pane
+        if isinstance(pane, ChatPane) and pane.is_attached and pane.id == event.tabbed_content.active:
+            self._focus_box(pane)
 
     def _focus_box(self, pane: ChatPane) -> None:
         # Screen.set_focus now, not Widget.focus(), which focuses later (call_later), when the
@@ -388,6 +390,8 @@ class PagedChatApp(App):
         engine a slice of a core and of the GIL)."""
         if not self.is_running:  # shutting down: the widgets are going away
             return
+        for pane in self._panes.values():
+            pane.catch_up()  # every tab keeps its reply in progress (and its saved copy) current
         # The budget guards a running engine; in teaching mode each step is drawn at once.
         teaching = self.worker.paused or self.worker.delay
         if not self._frame_budget.due() and not teaching:

@@ -1,5 +1,8 @@
 """One message of a conversation, drawn as Markdown; a reply streams into it."""
 
+from functools import cache
+
+from markdown_it import MarkdownIt
 from textual.content import Content
 from textual.geometry import Size
 from textual.reactive import Reactive
@@ -14,6 +17,13 @@ _CONTROLS = {c: 0x2400 + c for c in range(0x20) if chr(c) not in "\n\t"} | {0x7F
 
 def visible(text: str) -> str:
     return text.translate(_CONTROLS)
+
+
+@cache
+def _parser() -> MarkdownIt:
+    """One parser for every message: Markdown builds a new one for each update and each streamed
+    piece otherwise (~0.6 ms apiece here, on the UI thread)."""
+    return MarkdownIt("gfm-like")
 
 
 class _SizedByLayout:
@@ -65,5 +75,5 @@ class ChatMessage(_SizedByLayout, Markdown):
     BLOCKS = {**Markdown.BLOCKS, "paragraph_open": StreamedParagraph}
 
     def __init__(self, role: str, text: str = "") -> None:
-        super().__init__(visible(text), classes=f"-{role}")
+        super().__init__(visible(text), classes=f"-{role}", parser_factory=_parser)
         self.role = role

@@ -18,7 +18,8 @@ FINISH_NOTES = {"abort": "stopped", "length": "max tokens reached"}
 
 
 class ChatPane(TabPane):
-    """The engine thread posts `EngineOutput` / `EngineError` here, never to the App."""
+    """The engine thread posts the end of each reply (`EngineOutput`) and errors (`EngineError`)
+    here, never to the App; the reply in progress is taken from the worker (`catch_up`)."""
 
     DEFAULT_CSS = """
     ChatPane {
@@ -128,7 +129,18 @@ class ChatPane(TabPane):
     @property
     def reply_text(self) -> str:
         """The reply in progress, as far as the engine has reported it."""
+        self.catch_up()
         return self._text
+
+    def catch_up(self) -> None:
+        """Take the reply in progress as far as the engine has got (the app calls this on its tick)."""
+        if not self.replying or self.worker is None:
+            return
+        output = self.worker.progress(self.conversation.request_id)
+        if output is not None and output.outputs[0].text != self._text:
+            self._text = output.outputs[0].text
+            if self.record:
+                self.record.reply_progress(self._text)
 
     def apply_settings(self, settings: TabSettings | None) -> None:
         if settings is None:
@@ -179,11 +191,8 @@ class ChatPane(TabPane):
             return  # a stale report (an earlier request of this tab, or the one a fork starts with)
         completion = output.outputs[0]
         self._text = completion.text
-        if self.record:
-            self.record.reply_progress(self._text)
-        if completion.finish_reason is not None:
-            await self.draw()
-            await self._finish(output, completion)
+        await self.draw()
+        await self._finish(output, completion)
 
     async def on_engine_error(self, message: EngineError) -> None:
         message.stop()
@@ -194,6 +203,7 @@ class ChatPane(TabPane):
         """Bring the reply on screen up to what the engine reported. The app calls this on its
         tick, for the tab on show only, rather than each token: every redraw costs a layout of the
         screen, and the UI thread shares the GIL with the engine, so each one slows generation."""
+        self.catch_up()
         if self._stream is None or self._text == self._shown:
             return
         text = self._text

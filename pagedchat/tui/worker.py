@@ -3,9 +3,12 @@
 The UI never calls the engine. It queues commands here; the thread applies them between steps, runs
 `step()` while there is work, and sleeps on a condition when there is none, so an idle app costs no
 CPU. After every step or batch of commands it publishes the engine's immutable `KVSnapshot` in
-`snapshot`, which the UI polls. Token text goes to the widget that asked for the request, by
-`post_message` on that widget: posting to the widget (not the App) is safe at shutdown, and it never
-blocks this thread the way `call_from_thread` would.
+`snapshot`, which the UI polls. A reply in progress is polled too: the newest unfinished output
+of each request waits in `progress(request_id)`, since the UI draws at most a few times a second and
+a message per token costs the UI thread (and so the engine: they share the GIL) for nothing. The
+end of a reply and every error go to the widget that asked for the request, by `post_message` on
+that widget: posting to the widget (not the App) is safe at shutdown, and it never blocks this
+thread the way `call_from_thread` would.
 """
 
 import logging
@@ -32,7 +35,7 @@ GIL_SWITCH_INTERVAL_S = 1e-4
 
 
 class EngineOutput(Message):
-    """A request moved: new tokens, or it finished."""
+    """A request finished: its whole reply, and why it ended."""
 
     def __init__(self, output: RequestOutput) -> None:
         super().__init__()
@@ -57,6 +60,7 @@ class EngineWorker:
         self._cond = threading.Condition()
         self._commands: deque[tuple[str | None, Callable[[], None]]] = deque()
         self._sinks: dict[str, MessagePump] = {}  # touched by the engine thread only
+        self._progress: dict[str, RequestOutput] = {}  # written by the engine thread, read by the UI
         self._paused = False
         self._steps_allowed = 0  # steps granted by `step_once` while paused
         self._delay = 0.0  # slow motion: seconds between steps
@@ -112,6 +116,10 @@ class EngineWorker:
             self._next_step_at = 0.0
             self._cond.notify()
 
+    def progress(self, request_id: str) -> RequestOutput | None:
+        """The newest output of a reply in progress; None before its first token and once it ended."""
+        return self._progress.get(request_id)
+
     # -- commands ----------------------------------------------------------------------------------
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, sink: MessagePump) -> None:
@@ -141,6 +149,7 @@ class EngineWorker:
 
         def run() -> None:
             self._sinks.pop(request_id, None)
+            self._progress.pop(request_id, None)
             self._engine.release_request(request_id)
 
         self._submit(request_id, run)
@@ -215,7 +224,11 @@ class EngineWorker:
         self._next_step_at = time.monotonic() + self._delay
         self.snapshot = self._engine.kv_snapshot()
         for output in outputs:
-            self._post(output.request_id, EngineOutput(output))
+            if output.finished:
+                self._progress.pop(output.request_id, None)
+                self._post(output.request_id, EngineOutput(output))
+            elif output.request_id in self._sinks:
+                self._progress[output.request_id] = output
 
     def _fail_unfinished(self, error: str) -> None:
         """A step raised: stop every request it was working on, so the engine can go on serving."""
@@ -225,6 +238,7 @@ class EngineWorker:
                     self._engine.abort_request(info.request_id)
                 except Exception:
                     log.exception("abort after a failed step failed for %s", info.request_id)
+                self._progress.pop(info.request_id, None)
                 self._post(info.request_id, EngineError(info.request_id, error))
 
     def _post(self, request_id: str, message: Message) -> None:
