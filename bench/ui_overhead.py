@@ -11,6 +11,7 @@ moves by 10% or more, hence several rounds.
 """
 
 import asyncio
+import statistics
 import time
 
 from bench.common import Section, Table, Times, arg_parser, load_average, load_llm, start, stopwatch
@@ -43,8 +44,9 @@ def headless(llm, tabs: int, reply: int) -> Times:
     return t
 
 
-async def in_app(llm, tabs: int, reply: int) -> Times:
-    """Times of the same chats sent from `tabs` chat tabs of the running app."""
+async def in_app(llm, tabs: int, reply: int) -> tuple[Times, float]:
+    """Times of the same chats sent from `tabs` chat tabs of the running app, and the CPU seconds of
+    the UI thread (this one: Pilot runs the app on the caller's event loop) meanwhile."""
     from pagedchat.tui.app import PagedChatApp
 
     app = PagedChatApp(lambda: llm, params=params(reply))
@@ -56,6 +58,7 @@ async def in_app(llm, tabs: int, reply: int) -> Times:
             await app.action_new_chat()
             panes.append(app.current_pane)
         await pilot.pause(0.5)  # the new tabs' underline animation ends before the clock starts
+        ui_cpu = time.thread_time()
         with stopwatch() as t:
             for pane, text in zip(panes, MESSAGES):
                 assert pane.send(text), "the app refused a message"
@@ -66,9 +69,10 @@ async def in_app(llm, tabs: int, reply: int) -> Times:
                 # not pilot.pause: it posts a callback to every widget on screen and waits for them all,
                 # a message storm (~2,000/s here) that the app itself never causes
                 await asyncio.sleep(0.05)
+        ui_cpu = time.thread_time() - ui_cpu
         generated = sum(len(p.conversation.last_reply.token_ids) for p in panes)
     assert generated == tabs * reply, f"{generated} tokens, expected {tabs * reply}"
-    return t
+    return t, ui_cpu
 
 
 def ui_overhead_section(model: str | None, dtype: str, tabs: int = 4, reply: int = 48, rounds: int = 5) -> Section:
@@ -85,14 +89,20 @@ def ui_overhead_section(model: str | None, dtype: str, tabs: int = 4, reply: int
     # A fresh engine for every run, bare ones included: an engine that served these messages before
     # finds their prompts in its prefix cache and skips their prefill.
     with stopwatch() as t:
-        bare_runs, app_runs = [headless(fresh_llm(), tabs, reply)], []
+        bare_runs, app_runs, ui_cpus = [headless(fresh_llm(), tabs, reply)], [], []
         for _ in range(rounds):
-            app_runs.append(asyncio.run(in_app(fresh_llm(), tabs, reply)))
+            app_run, ui_cpu = asyncio.run(in_app(fresh_llm(), tabs, reply))
+            app_runs.append(app_run)
+            ui_cpus.append(ui_cpu)
             bare_runs.append(headless(fresh_llm(), tabs, reply))
     tokens = tabs * reply
-    rows = [[f"bare engine (step + kv_snapshot), run {i + 1}", tokens / r.wall, tokens / r.cpu]
+    rows = [[f"bare engine (step + kv_snapshot), run {i + 1}", tokens / r.wall, tokens / r.cpu, "", ""]
             for i, r in enumerate(bare_runs)]
-    rows += [[f"app (Pilot, headless), run {i + 1}", tokens / r.wall, tokens / r.cpu] for i, r in enumerate(app_runs)]
+    # each app run against the mean of the bare runs either side of it: a drift that lasts minutes cancels
+    pairs = [2 * tokens / r.wall / (tokens / before.wall + tokens / after.wall)
+             for r, before, after in zip(app_runs, bare_runs, bare_runs[1:])]
+    rows += [[f"app (Pilot, headless), run {i + 1}", tokens / r.wall, tokens / r.cpu, pair, ui / r.wall]
+             for i, (r, pair, ui) in enumerate(zip(app_runs, pairs, ui_cpus))]
 
     def mean_rate(runs: list[Times], key: str) -> float:
         return sum(tokens / getattr(r, key) for r in runs) / len(runs)
@@ -106,8 +116,13 @@ def ui_overhead_section(model: str | None, dtype: str, tabs: int = 4, reply: int
                   f"{POLL_HZ} times a second, and only as often as {UI_CPU_SHARE:.0%} of a core pays for; GIL switch "
                   f"interval {GIL_SWITCH_INTERVAL_S * 1000:g} ms while the engine thread runs); "
                   "runs alternate bare, app, bare, ...", f"load average at the start (1/5/15 min): {load}"],
-        tables=[Table(["run", "tokens / wall s", "tokens / CPU s (all threads)"], rows)],
+        tables=[Table(["run", "tokens / wall s", "tokens / CPU s (all threads)", "app / bare either side",
+                       "UI thread CPU / wall"], rows)],
         notes=[f"goal app / bare >= 0.95 (mean wall tokens/s): {ratio:.2f} -> {'met' if ratio >= 0.95 else 'MISSED'}",
+               f"each app run over the bare runs either side of it: median {statistics.median(pairs):.2f}, "
+               f"from {min(pairs):.2f} to {max(pairs):.2f}",
+               f"the UI thread was busy {sum(ui_cpus) / sum(r.wall for r in app_runs):.1%} of the app's wall time: "
+               "the engine thread loses about that much, since the two take turns on the GIL",
                f"tokens per CPU second, app / bare: {cpu_ratio:.2f} (the UI thread's own CPU counted as overhead, "
                "though it can run on the other core)"],
         seconds=t.wall,

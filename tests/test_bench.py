@@ -70,6 +70,8 @@ def test_ui_overhead_runs_the_app(tiny_model):
     section = ui_overhead.ui_overhead_section(str(tiny_model), "float32", tabs=2, reply=3, rounds=2)
     kinds = [row[0].split(",")[0] for row in section.tables[0].rows]
     assert kinds == ["bare engine (step + kv_snapshot)"] * 3 + ["app (Pilot"] * 2
+    for *_, over_bare_either_side, ui_share in section.tables[0].rows[3:]:
+        assert over_bare_either_side > 0 and 0 < ui_share < 1  # the UI thread's CPU was measured, not zero
 
 
 def test_soak_reports_its_goals(tiny_model):
