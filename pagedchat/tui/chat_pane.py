@@ -200,10 +200,10 @@ class ChatPane(TabPane):
             await self._fail(message.error)
 
     async def draw(self) -> None:
-        """Bring the reply on screen up to what the engine reported. The app calls this on its
-        tick, for the tab on show only, rather than each token: every redraw costs a layout of the
-        screen, and the UI thread shares the GIL with the engine, so each one slows generation."""
-        self.catch_up()
+        """Bring the reply on screen up to what the tab took from the engine (`catch_up`). The app
+        calls this on its tick, for the tab on show only, rather than each token: every redraw costs
+        a layout of the screen, and the UI thread shares the GIL with the engine, so each one slows
+        generation."""
         if self._stream is None or self._text == self._shown:
             return
         text = self._text
