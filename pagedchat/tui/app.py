@@ -39,7 +39,7 @@ from pagedchat.tui.worker import EngineWorker
 log = logging.getLogger(__name__)
 
 POLL_HZ = 10
-UI_CPU_SHARE = 0.03  # of a core, for drawing while the engine works (frame_budget.py)
+UI_CPU_SHARE = 0.03  # of a core: the UI thread's while the engine works, drawing gives way (frame_budget.py)
 MAX_DRAW_GAP_S = 1.0
 LABEL_COUNT_EVERY_S = 5.0
 SLOW_MOTION = (0.0, 0.25, 1.0)  # seconds between steps, cycled by f3
@@ -98,7 +98,8 @@ class PagedChatApp(App):
         self._max_len: int | None = None
         self._panes: dict[str, ChatPane] = {}
         self._tabs_opened = 0
-        self._labels: dict[str, tuple] = {}
+        self._labels: dict[str, tuple] = {}  # tab id: (title, theme, state), token count as shown
+        self._counts_shown_at = 0.0
         self._snapshot: KVSnapshot | None = None
         self._poll_timer: Timer | None = None
         self._quiet_polls = 0
@@ -396,20 +397,21 @@ class PagedChatApp(App):
         teaching = self.worker.paused or self.worker.delay
         if not self._frame_budget.due() and not teaching:
             return
-        if (pane := self.current_pane) is not None:
-            await pane.draw()
-        snapshot = self.worker.snapshot
-        if snapshot is not self._snapshot:
-            self._snapshot = snapshot
-            self._quiet_polls = 0
-            self.query_one(KVPanel).show(snapshot, self._tag_of, self._decode)
-        elif not any(pane.replying for pane in self._panes.values()):
-            # The engine moves only on a command from this UI: after a quiet second, stop polling
-            # until the next command (`_wake`), so an idle app costs nothing.
-            self._quiet_polls += 1
-            if self._quiet_polls > POLL_HZ:
-                self._poll_timer.pause()
-        self._update_labels()
+        with self.batch_update():  # one frame for all of it
+            if (pane := self.current_pane) is not None:
+                await pane.draw()
+            snapshot = self.worker.snapshot
+            if snapshot is not self._snapshot:
+                self._snapshot = snapshot
+                self._quiet_polls = 0
+                self.query_one(KVPanel).show(snapshot, self._tag_of, self._decode)
+            elif not any(pane.replying for pane in self._panes.values()):
+                # The engine moves only on a command from this UI: after a quiet second, stop polling
+                # until the next command (`_wake`), so an idle app costs nothing.
+                self._quiet_polls += 1
+                if self._quiet_polls > POLL_HZ:
+                    self._poll_timer.pause()
+            self._update_labels()
 
     def _wake(self) -> None:
         self._quiet_polls = 0
@@ -425,20 +427,27 @@ class PagedChatApp(App):
 
     def _update_labels(self) -> None:
         infos = {info.request_id: info for info in self._snapshot.requests} if self._snapshot else {}
-        now = time.monotonic()
+        labels = {}
         for key, pane in self._panes.items():
             info = infos.get(pane.conversation.request_id)
             state = STATES.get(info.status if info else "waiting", "idle") if pane.replying else "idle"
             tokens = info.num_tokens if info else pane.conversation.num_tokens
-            look = (pane.title, self.theme, state)
-            shown_look, shown_tokens, shown_at = self._labels.get(key, (None, None, 0.0))
-            # A relabel lays out the whole screen (~15 ms here): while a reply streams the count
-            # alone changes it every LABEL_COUNT_EVERY_S at most (the block tables show it live);
-            # at rest it is exact, since the ticks stop soon after the engine does.
-            count_due = state == "idle" or now - shown_at >= LABEL_COUNT_EVERY_S
-            if look != shown_look or (tokens != shown_tokens and count_due):
-                self._labels[key] = (look, tokens, now)
-                self._tabbed.get_tab(key).label = self._tab_label(pane.title, pane.colour, tokens, state)
+            labels[key] = ((pane.title, self.theme, state), tokens)
+        changed = [key for key, label in labels.items() if self._labels.get(key) != label]
+        # A relabel lays out the whole screen (~15 ms here), however many tabs it changes. While
+        # replies stream, counts alone relabel every LABEL_COUNT_EVERY_S at most (the block tables
+        # show them live), and all changed tabs go together; at rest a count is exact.
+        now = time.monotonic()
+        counts_only = all(self._labels.get(key, (None,))[0] == look and look[2] != "idle"
+                          for key in changed for look in [labels[key][0]])
+        if not changed or (counts_only and now - self._counts_shown_at < LABEL_COUNT_EVERY_S):
+            return
+        self._counts_shown_at = now
+        for key in changed:
+            self._labels[key] = labels[key]
+            pane = self._panes[key]
+            (_, _, state), tokens = labels[key]
+            self._tabbed.get_tab(key).label = self._tab_label(pane.title, pane.colour, tokens, state)
 
     def _tab_label(self, title: str, colour: int, tokens: int, state: str) -> Content:
         label = Text("■ ", style=self.theme_variables[SessionTag(title, colour).variable])

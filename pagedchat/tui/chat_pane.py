@@ -4,7 +4,7 @@ from textual import events
 from textual.app import ComposeResult
 from textual.content import Content
 from textual.containers import VerticalScroll
-from textual.widgets import Button, Markdown, Static, TabPane
+from textual.widgets import Button, Static, TabPane
 
 from pagedchat.engine.outputs import CompletionOutput, RequestOutput
 from pagedchat.tui.chat_message import ChatMessage, visible
@@ -52,10 +52,9 @@ class ChatPane(TabPane):
         self.max_len = max_len
         self.replying = False  # a reply is on its way (waiting, prefilling, generating, preempted)
         self.full = False  # the conversation reached the model's context
-        self._reply: ChatMessage | None = None
-        self._stream = None
+        self._reply: ChatMessage | None = None  # the reply in progress
         self._text = ""  # the reply so far, as the engine reported it
-        self._shown = ""  # the part of it written to the Markdown stream
+        self._shown = ""  # the part of it drawn
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="transcript"):
@@ -178,7 +177,6 @@ class ChatPane(TabPane):
         self._text = self._shown = text
         self._reply = ChatMessage("assistant", text)
         self._transcript.mount(self._reply)
-        self._stream = Markdown.get_stream(self._reply)
         if self.record:
             self.record.reply_started(text)
 
@@ -201,25 +199,24 @@ class ChatPane(TabPane):
 
     async def draw(self) -> None:
         """Bring the reply on screen up to what the tab took from the engine (`catch_up`). The app
-        calls this on its tick, for the tab on show only, rather than each token: every redraw costs
-        a layout of the screen, and the UI thread shares the GIL with the engine, so each one slows
-        generation."""
-        if self._stream is None or self._text == self._shown:
+        calls this on its tick, at most once a frame and for the tab on show only, rather than each
+        token: every redraw costs a layout of the screen, and the UI thread shares the GIL with the
+        engine, so each one slows generation. Appended here rather than through a `MarkdownStream`,
+        whose own task would update the reply a moment after the tick: a second frame."""
+        if self._reply is None or self._text == self._shown:
             return
         text = self._text
         if text.startswith(self._shown):
-            await self._stream.write(visible(text[len(self._shown):]))
+            await self._reply.append(visible(text[len(self._shown):]))
         else:  # a stop string cut text already shown
-            await self._stream.stop()
             await self._reply.update(visible(text))
-            self._stream = Markdown.get_stream(self._reply)
         self._shown = text
 
     async def _finish(self, output: RequestOutput, completion: CompletionOutput) -> None:
         if completion.finish_reason == "error":
             await self._fail(completion.error or "the engine failed this request")
             return
-        await self._end_reply()
+        self._end_reply()
         self.conversation.add_reply(completion.text, completion.token_ids)
         if self.record:
             self.record.reply_done(completion.text)
@@ -234,18 +231,17 @@ class ChatPane(TabPane):
             + (f" · {note}" if note else ""))
 
     async def _fail(self, error: str) -> None:
-        await self._end_reply()
-        if not self._text and self._reply is not None:
-            await self._reply.remove()
+        reply = self._reply
+        self._end_reply()
+        if not self._text and reply is not None:
+            await reply.remove()
         self._release(self.conversation.fail_turn())
         if self.record:
             self.record.drop(2)  # the message and its reply
         await self._transcript.mount(ChatMessage("error", f"**Error:** {error}"))
 
-    async def _end_reply(self) -> None:
-        if self._stream is not None:
-            await self._stream.stop()
-        self._stream = None
+    def _end_reply(self) -> None:
+        self._reply = None
         self.replying = False
 
     def _context_full(self, reason: str) -> None:

@@ -46,7 +46,9 @@ class EventLog(RichLog):
         self._last_seq = fresh[-1].seq
         colours = self.app.theme_variables
         for (step, kind, request_id), run in groupby(fresh, lambda e: (e.step, e.kind, e.request_id)):
-            self.write(self._line(step, kind, request_id, list(run), tag_of, colours))
+            self.write(self._line(step, kind, request_id, list(run), tag_of, colours), scroll_end=False)
+        # At once, not after the next frame as `write` would: that frame would be followed by another.
+        self.scroll_end(animate=False, immediate=True, x_axis=False)
 
     @staticmethod
     def _line(step: int, kind: str, request_id: str | None, run: list[BlockEvent],

@@ -6,11 +6,12 @@ from collections.abc import Callable
 
 
 class FrameBudget:
-    """Each draw costs the UI thread CPU time (the tick's own work, then the frame Textual renders
-    after it), and on the CPU machines the engine loses about as much: a core and the GIL. A draw
-    is due once the time since the last one reaches that one's cost divided by `share`, or `max_gap`
-    seconds, whichever is sooner: a slow terminal or a big screen lowers the frame rate, not the
-    engine's token rate."""
+    """On the CPU machines whatever the UI thread computes the engine loses: a core and the GIL.
+    Drawing is the part of that work which can wait, so it waits: a draw is due once the UI thread's
+    CPU time since the last draw began (that draw, its frame, and everything else since: messages
+    mounted, replies finished, keys) is at most `share` of the wall time since then, or after
+    `max_gap` seconds, whichever is sooner. A slow terminal, a big screen or a busy moment lowers
+    the frame rate, not the engine's token rate."""
 
     def __init__(self, share: float, max_gap: float, clock: Callable[[], float] = time.monotonic,
                  cpu_clock: Callable[[], float] = time.thread_time) -> None:
@@ -20,14 +21,11 @@ class FrameBudget:
         self._cpu_clock = cpu_clock  # the UI thread's: call `due` from that thread only
         self._drawn_at = -math.inf
         self._drawn_cpu = 0.0
-        self._cost: float | None = 0.0  # None until the first tick after a draw measures it
 
     def due(self) -> bool:
         """Whether to draw now; True starts the next draw's accounting."""
-        if self._cost is None:  # the first tick after a draw: its frame has been rendered by now
-            self._cost = self._cpu_clock() - self._drawn_cpu
-        now = self._clock()
-        if now - self._drawn_at < min(self._cost / self.share, self.max_gap):
+        now, cpu = self._clock(), self._cpu_clock()
+        if now - self._drawn_at < min((cpu - self._drawn_cpu) / self.share, self.max_gap):
             return False
-        self._drawn_at, self._drawn_cpu, self._cost = now, self._cpu_clock(), None
+        self._drawn_at, self._drawn_cpu = now, cpu
         return True
