@@ -12,7 +12,9 @@ moves by 10% or more, hence several rounds.
 
 import asyncio
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 from bench.common import Section, Table, Times, arg_parser, load_average, load_llm, start, stopwatch
 
@@ -46,37 +48,40 @@ def headless(llm, tabs: int, reply: int) -> Times:
 
 async def in_app(llm, tabs: int, reply: int) -> tuple[Times, float]:
     """Times of the same chats sent from `tabs` chat tabs of the running app, and the CPU seconds of
-    the UI thread (this one: Pilot runs the app on the caller's event loop) meanwhile."""
+    the UI thread (this one: Pilot runs the app on the caller's event loop) meanwhile. The app saves
+    its chats as it goes, as it does when run."""
+    from pagedchat.history import History
     from pagedchat.tui.app import PagedChatApp
 
-    app = PagedChatApp(lambda: llm, params=params(reply))
-    async with app.run_test(size=SIZE) as pilot:
-        while app.current_pane is None:  # the app opens its first tab once the engine is in
-            await pilot.pause(0.05)
-        panes = [app.current_pane]
-        for _ in range(tabs - 1):
-            await app.action_new_chat()
-            panes.append(app.current_pane)
-        await pilot.pause(0.5)  # the new tabs' underline animation ends before the clock starts
-        ui_cpu = time.thread_time()
-        with stopwatch() as t:
-            for pane, text in zip(panes, MESSAGES):
-                assert pane.send(text), "the app refused a message"
-            deadline = time.monotonic() + TIMEOUT_S
-            while any(p.replying or p.conversation.last_reply is None for p in panes):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the app's replies did not arrive within {TIMEOUT_S} s")
-                # not pilot.pause: it posts a callback to every widget on screen and waits for them all,
-                # a message storm (~2,000/s here) that the app itself never causes
-                await asyncio.sleep(0.05)
-        ui_cpu = time.thread_time() - ui_cpu
-        generated = sum(len(p.conversation.last_reply.token_ids) for p in panes)
-    assert generated == tabs * reply, f"{generated} tokens, expected {tabs * reply}"
-    return t, ui_cpu
+    with tempfile.TemporaryDirectory() as folder:
+        app = PagedChatApp(lambda: llm, params=params(reply), history=History(Path(folder) / "history.sqlite3"))
+        async with app.run_test(size=SIZE) as pilot:
+            while app.current_pane is None:  # the app opens its first tab once the engine is in
+                await pilot.pause(0.05)
+            panes = [app.current_pane]
+            for _ in range(tabs - 1):
+                await app.action_new_chat()
+                panes.append(app.current_pane)
+            await pilot.pause(0.5)  # the new tabs' underline animation ends before the clock starts
+            ui_cpu = time.thread_time()
+            with stopwatch() as t:
+                for pane, text in zip(panes, MESSAGES):
+                    assert pane.send(text), "the app refused a message"
+                deadline = time.monotonic() + TIMEOUT_S
+                while any(p.replying or p.conversation.last_reply is None for p in panes):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the app's replies did not arrive within {TIMEOUT_S} s")
+                    # not pilot.pause: it posts a callback to every widget on screen and waits for them all,
+                    # a message storm (~2,000/s here) that the app itself never causes
+                    await asyncio.sleep(0.05)
+            ui_cpu = time.thread_time() - ui_cpu
+            generated = sum(len(p.conversation.last_reply.token_ids) for p in panes)
+        assert generated == tabs * reply, f"{generated} tokens, expected {tabs * reply}"
+        return t, ui_cpu
 
 
 def ui_overhead_section(model: str | None, dtype: str, tabs: int = 4, reply: int = 48, rounds: int = 5) -> Section:
-    from pagedchat.tui.app import POLL_HZ, UI_CPU_SHARE
+    from pagedchat.tui.app import MAX_DRAW_GAP_S, POLL_HZ, UI_CPU_SHARE
     from pagedchat.tui.worker import GIL_SWITCH_INTERVAL_S
 
     load = load_average()
@@ -113,8 +118,9 @@ def ui_overhead_section(model: str | None, dtype: str, tabs: int = 4, reply: int
         f"4. UI overhead ({dtype})",
         settings=[f"{tabs} chat tabs, one message each sent at once, greedy replies of {reply} tokens; app headless "
                   f"under Textual's Pilot at {SIZE[0]}x{SIZE[1]} cells (the shown reply and the KV panel drawn at most "
-                  f"{POLL_HZ} times a second, and only as often as {UI_CPU_SHARE:.0%} of a core pays for; GIL switch "
-                  f"interval {GIL_SWITCH_INTERVAL_S * 1000:g} ms while the engine thread runs); "
+                  f"{POLL_HZ} times a second, and not before the UI thread's CPU since the last draw is back under "
+                  f"{UI_CPU_SHARE:.0%} of a core, but at least every {MAX_DRAW_GAP_S:g} s; chats saved to a history "
+                  f"file; GIL switch interval {GIL_SWITCH_INTERVAL_S * 1000:g} ms while the engine thread runs); "
                   "runs alternate bare, app, bare, ...", f"load average at the start (1/5/15 min): {load}"],
         tables=[Table(["run", "tokens / wall s", "tokens / CPU s (all threads)", "app / bare either side",
                        "UI thread CPU / wall"], rows)],

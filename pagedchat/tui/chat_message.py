@@ -4,10 +4,10 @@ from functools import cache
 
 from markdown_it import MarkdownIt
 from textual.content import Content
-from textual.geometry import Size
-from textual.reactive import Reactive
 from textual.widgets import Markdown
 from textual.widgets._markdown import MarkdownParagraph
+
+from pagedchat.tui.sized_by_layout import SizedByLayout
 
 # A model can emit control characters (ESC, backspace, ...); written raw they would move the
 # terminal's cursor and tear the screen. Show them as their Unicode control pictures instead.
@@ -26,15 +26,7 @@ def _parser() -> MarkdownIt:
     return MarkdownIt("gfm-like")
 
 
-class _SizedByLayout:
-    """A widget that does not scroll: its virtual size is its size, set by the layout that just
-    placed it. Widget's `virtual_size` asks for another layout of the whole screen when it changes,
-    so each message that grew cost two layouts (~25 ms and ~10 ms here) instead of one."""
-
-    virtual_size: Reactive[Size] = Reactive(Size(0, 0), layout=False)
-
-
-class StreamedParagraph(_SizedByLayout, MarkdownParagraph):
+class StreamedParagraph(SizedByLayout, MarkdownParagraph):
     """A paragraph that asks for a layout only when its wrapped height changes. A streamed reply
     rewrites its last paragraph with every token, and a layout of the screen costs several times
     a repaint (then the anchored transcript's scrollbar takes another frame)."""
@@ -47,7 +39,7 @@ class StreamedParagraph(_SizedByLayout, MarkdownParagraph):
             self.refresh(layout=True)
 
 
-class ChatMessage(_SizedByLayout, Markdown):
+class ChatMessage(SizedByLayout, Markdown):
     DEFAULT_CSS = """
     ChatMessage {
         margin: 0 0 1 0;

@@ -228,7 +228,7 @@ class ChatPane(TabPane):
         self.query_one("#turn-info", Static).update(
             f"last turn: prompt {prompt} tok, {reused} served from blocks held or cached, "
             f"{prompt - reused} computed · reply {len(completion.token_ids)} tok"
-            + (f" · {note}" if note else ""))
+            + (f" · {note}" if note else ""), layout=False)  # one line, always: no layout of the screen
 
     async def _fail(self, error: str) -> None:
         reply = self._reply

@@ -12,8 +12,10 @@ from textual.geometry import Region, Size
 from textual.strip import Strip
 from textual.widget import Widget
 
+from pagedchat.tui.sized_by_layout import SizedByLayout
 
-class TextPanel(Widget):
+
+class TextPanel(SizedByLayout, Widget):
     def __init__(self, text: str = "", **kwargs) -> None:
         super().__init__(**kwargs)
         self._lines = [Text(text)]
