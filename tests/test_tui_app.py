@@ -1,5 +1,6 @@
 """The app driven by Pilot on the tiny random model: real engine, real engine thread."""
 
+import asyncio
 import threading
 
 import pytest
@@ -13,7 +14,7 @@ from pagedchat.history import History
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.block_detail import BlockDetail
 from pagedchat.tui.block_grid import BlockGrid
-from pagedchat.tui.chat_message import ChatMessage
+from pagedchat.tui.chat_message import ChatMessage, visible
 from pagedchat.tui.help_screen import HelpScreen
 from pagedchat.tui.kv_panel import KVPanel
 from pagedchat.tui.loading_screen import LoadingScreen
@@ -89,6 +90,25 @@ async def test_two_tabs_reply_at_the_same_time(make_app):
         assert first.query_one(MessageBox).text == ""
         assert all(len(p.conversation.last_reply.token_ids) == 12 for p in (first, second))
         assert_invariants(app.worker.snapshot)
+
+
+@async_test
+async def test_a_tab_shows_its_reply_so_far_as_soon_as_it_is_shown(make_app, monkeypatch):
+    monkeypatch.setattr("pagedchat.tui.app.POLL_HZ", 0.01)  # no tick draws while the test runs
+    async with make_app(LONG).run_test(size=SIZE) as pilot:
+        app = await loaded(pilot)
+        first = app.current_pane
+        await pilot.press("f5")  # paused: the reply stays in progress, a step at a time
+        first.send("Tell me everything")
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: app.current_pane is not first, what="a second tab")
+        while len(first.reply_text) <= 20:
+            await pilot.press("f6")
+            await asyncio.sleep(0.05)
+        await pilot.press("f7")
+        await wait_until(pilot, lambda: app.current_pane is first, what="the first tab back")
+        shown = first.query(ChatMessage).last().source
+        assert first.replying and len(shown) > 20 and shown == visible(first.reply_text)
 
 
 @async_test

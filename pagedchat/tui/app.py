@@ -270,13 +270,14 @@ class PagedChatApp(App):
     def action_next_tab(self) -> None:
         self._tabbed.query_one(Tabs).action_next_tab()
 
-    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+    async def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
         # A stale activation (the tab changed again since) must not pull focus back to its pane:
         # focusing a pane activates its tab, and two such messages in flight would ping-pong. One
         # that arrives while the app closes finds the widgets gone (is_attached is False then).
         pane = event.pane
         if isinstance(pane, ChatPane) and pane.is_attached and pane.id == event.tabbed_content.active:
             self._focus_box(pane)
+            await pane.draw()  # its reply as it is now, in the frame that shows the tab, not a draw later
 
     def _focus_box(self, pane: ChatPane) -> None:
         # Screen.set_focus now, not Widget.focus(), which focuses later (call_later), when the
