@@ -1,6 +1,7 @@
 """The app driven by Pilot on the tiny random model: real engine, real engine thread."""
 
 import asyncio
+import gc
 import threading
 
 import pytest
@@ -161,6 +162,21 @@ async def test_a_draft_typed_while_the_model_loads_waits_in_the_chat_box(make_ap
         box = app.current_pane.query_one(MessageBox)
         assert box.text == "draft" and app.screen.focused is box
         assert not app.current_pane.conversation.turns
+
+
+@async_test
+async def test_what_the_model_loaded_is_left_out_of_garbage_collections_while_the_app_runs(tiny_model):
+    llm = LLM(model=tiny_model, dtype="float32", device="cpu", attention_backend="torch", num_kv_blocks=96)
+    loaded_objects = [llm.engine, llm.engine.runner, llm.engine.pool, llm.get_tokenizer()]
+    assert gc.get_freeze_count() == 0
+    async with PagedChatApp(lambda: llm, params=SHORT).run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        assert gc.get_freeze_count() > 1000
+        collected = {id(o) for generation in range(3) for o in gc.get_objects(generation)}
+        assert not any(id(o) in collected for o in loaded_objects)
+    assert gc.get_freeze_count() == 0  # given back to the collector once the app is gone
+    collected = {id(o) for generation in range(3) for o in gc.get_objects(generation)}
+    assert all(id(o) in collected for o in loaded_objects)
 
 
 @async_test
