@@ -147,7 +147,9 @@ class PagedChatApp(App):
             return
         # The model, torch and transformers leave ~450,000 objects that live as long as the app.
         # Textual's garbage soon triggers a full collection, which walks them all (~220 ms here) in
-        # whichever thread it hits, the engine's included: freeze them out of every collection.
+        # whichever thread it hits, the engine's included: freeze them out of every collection (after
+        # one last collection, so that the loading's own garbage is not frozen with them).
+        gc.collect()
         gc.freeze()
         self._tokenizer = llm.get_tokenizer()
         engine = llm.engine
