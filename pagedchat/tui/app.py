@@ -442,20 +442,19 @@ class PagedChatApp(App):
             state = STATES.get(info.status if info else "waiting", "idle") if pane.replying else "idle"
             tokens = info.num_tokens if info else pane.conversation.num_tokens
             labels[key] = ((pane.title, self.theme, state), tokens)
-        changed = [key for key, label in labels.items() if self._labels.get(key) != label]
+        changed = {key: label for key, label in labels.items() if self._labels.get(key) != label}
         # A relabel lays out the whole screen (~15 ms here), however many tabs it changes. While
         # replies stream, counts alone relabel every LABEL_COUNT_EVERY_S at most (the block tables
         # show them live), and all changed tabs go together; at rest a count is exact.
         now = time.monotonic()
-        counts_only = all(self._labels.get(key, (None,))[0] == look and look[2] != "idle"
-                          for key in changed for look in [labels[key][0]])
-        if not changed or (counts_only and now - self._counts_shown_at < LABEL_COUNT_EVERY_S):
+        streaming_counts_only = all(key in self._labels and self._labels[key][0] == look and look[2] != "idle"
+                                    for key, (look, _) in changed.items())
+        if not changed or (streaming_counts_only and now - self._counts_shown_at < LABEL_COUNT_EVERY_S):
             return
         self._counts_shown_at = now
-        for key in changed:
-            self._labels[key] = labels[key]
+        self._labels |= changed
+        for key, ((_, _, state), tokens) in changed.items():
             pane = self._panes[key]
-            (_, _, state), tokens = labels[key]
             self._tabbed.get_tab(key).label = self._tab_label(pane.title, pane.colour, tokens, state)
 
     def _tab_label(self, title: str, colour: int, tokens: int, state: str) -> Content:
