@@ -1,27 +1,30 @@
 """Paged KV store and paged attention in plain, vectorised torch: the CPU backend of the engine.
 
-Same signatures as `triton_ops`. Sequences are grouped by the shape of their work, and each group
-is one padded batch for `scaled_dot_product_attention`:
+Same signatures as `triton_ops`. A step is planned once, from the host-side lists of its
+`AttentionMetadata`, and the plan serves every layer. On a CPU each torch call costs microseconds
+whatever its size, so the plan keeps the calls per layer few:
 
-- decode rows (one query) and chunked rows (queries after a cached prefix) attend through an
-  explicit causal mask; each KV head's group of query heads is folded into the query-length
-  dimension, so K/V are read once per KV head (SDPA's `enable_gqa` and `repeat_interleave` of K/V
-  are both several times slower on the CPU in bf16);
-- whole prompts (queries = the whole context) take SDPA's causal kernel, which skips the masked
-  half of the work; it cannot fold heads (its causality follows the row index), so K/V are
-  repeated per query head instead, a copy that is small next to the attention of a whole prompt.
+- a whole prompt (queries = the whole context) attends to its own new K/V with SDPA's causal kernel,
+  which skips the masked half of the work; nothing is read back from the cache;
+- a lone sequence over a cached context (one chat decoding, or one prompt chunk) reads its K/V as a
+  view of the cache when its blocks are consecutive (else one gather of its blocks), cut to its
+  length, so no mask and no padding are needed;
+- several such sequences form one padded SDPA batch, gathered whole blocks at a time, with an explicit
+  mask; the slots past each length that come along are zeroed, since whatever an unused slot holds
+  (maybe NaN) would survive a mask: 0 * NaN = NaN.
 
-Every layer of a model step passes the same block tables, lengths and query starts, so the index
-work (grouping, row and block indices, masks) is planned once per step and reused by all layers.
-K/V are gathered whole blocks at a time; the slots past a sequence's length that come along are
-zeroed, since whatever an unused slot holds (maybe NaN) would survive a mask: 0 * NaN = NaN.
-SDPA keeps the softmax in fp32 for half-precision inputs.
+Over the cache, each KV head's group of query heads is folded into the query-length dimension, so K/V
+are read once per KV head (SDPA's `enable_gqa` and `repeat_interleave` of K/V are both several times
+slower on the CPU in bf16). SDPA keeps the softmax in fp32 for half-precision inputs.
 """
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
+
+from .metadata import AttentionMetadata
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -34,6 +37,22 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     value_cache.view(-1, *value_cache.shape[2:])[slots] = value[keep].to(value_cache.dtype)
 
 
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+              value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One layer's attention for a step: store the new K/V [T, Hkv, D], then attend query [T, Hq, D]."""
+    # index_copy_ with every slot valid: the runner never schedules a token without its slot
+    flat = (-1, *key_cache.shape[2:])
+    key_cache.view(flat).index_copy_(0, metadata.slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(flat).index_copy_(0, metadata.slot_mapping, value.to(value_cache.dtype))
+    if metadata.plan is None:
+        metadata.plan = _make_plan(metadata.block_tables_host, metadata.seq_lens_host, metadata.query_lens_host,
+                                   key_cache.shape[1], query.shape[1] // key_cache.shape[2], key.device,
+                                   fresh_prompts=True)
+    out = query.new_empty(query.shape)
+    _run(metadata.plan, query, key, value, key_cache, value_cache, scale, out)
+    return out
+
+
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, out: torch.Tensor | None = None,
@@ -44,14 +63,36 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """
     if out is None:
         out = query.new_empty(query.shape)  # contiguous, whatever the layout of query
-    group_size = query.shape[1] // key_cache.shape[2]
-    for plan in _plan(block_tables, seq_lens, query_start_loc, key_cache.shape[1], group_size):
-        _attend(plan, query, key_cache, value_cache, scale, out)
+    seq_lens_host = seq_lens.tolist()
+    starts = query_start_loc.tolist()
+    query_lens = [b - a for a, b in zip(starts, starts[1:])]
+    block_size = key_cache.shape[1]
+    tables = [row[: -(-n // block_size)] for row, n in zip(block_tables.tolist(), seq_lens_host)]
+    plan = _make_plan(tables, seq_lens_host, query_lens, block_size, query.shape[1] // key_cache.shape[2],
+                      query.device, fresh_prompts=False)
+    _run(plan, query, None, None, key_cache, value_cache, scale, out)
     return out
 
 
 @dataclass(slots=True, frozen=True)
-class _GroupPlan:
+class _Prompt:
+    """A whole prompt, attended causally on its own new K/V (query rows start:end)."""
+    start: int
+    end: int
+
+
+@dataclass(slots=True, frozen=True)
+class _Lone:
+    """One sequence over its cached context: K/V are `blocks` of the cache (a slice when consecutive)."""
+    start: int
+    end: int
+    seq_len: int
+    blocks: slice | torch.Tensor
+    mask: torch.Tensor | None  # [1, 1, q_len * G, seq_len] causal; None for a single query
+
+
+@dataclass(slots=True, frozen=True)
+class _Batch:
     """One padded SDPA batch: `num_seqs` sequences of up to `max_q` queries over up to `max_len` keys."""
     num_seqs: int
     max_q: int
@@ -63,69 +104,110 @@ class _GroupPlan:
     mask: torch.Tensor | None  # [S, 1, max_q * G, max_len] bool; None: causal over the whole prompt
 
 
-_last_plan: tuple[tuple, list[_GroupPlan]] | None = None
+def _make_plan(block_tables: list[list[int]], seq_lens: list[int], query_lens: list[int], block_size: int,
+               group_size: int, device: torch.device, fresh_prompts: bool) -> list:
+    starts = [0, *accumulate(query_lens)]
+    prompts, decode, chunked = [], [], []
+    for s, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
+        kind = prompts if q_len == seq_len else decode if q_len == 1 else chunked
+        kind.append(s)
+    plan: list = []
+    if fresh_prompts:
+        plan += [_Prompt(starts[s], starts[s + 1]) for s in prompts]
+    elif prompts:
+        plan.append(_plan_batch(prompts, block_tables, seq_lens, query_lens, starts, block_size, group_size,
+                                device, causal=True))
+    if len(decode) + len(chunked) == 1:
+        s = (decode + chunked)[0]
+        plan.append(_plan_lone(block_tables[s], seq_lens[s], starts[s], starts[s + 1], block_size, group_size,
+                               device))
+    else:
+        for group in (decode, chunked):
+            if group:
+                plan.append(_plan_batch(group, block_tables, seq_lens, query_lens, starts, block_size,
+                                        group_size, device, causal=False))
+    return plan
 
 
-def _plan(block_tables, seq_lens, query_start_loc, block_size: int, group_size: int) -> list[_GroupPlan]:
-    """The plan of the last call when its inputs are equal (the next layer of the same step), else a new one.
-
-    Inputs are compared by value against copies: inference tensors have no version counter to tell
-    an in-place change, and a new step's tensors may reuse the memory of the last one's.
-    """
-    global _last_plan
-    inputs = (block_tables, seq_lens, query_start_loc)
-    if _last_plan is not None:
-        (last_inputs, last_sizes), plans = _last_plan
-        if last_sizes == (block_size, group_size) and all(
-                a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
-                for a, b in zip(inputs, last_inputs)):
-            return plans
-    plans = _make_plan(*inputs, block_size, group_size)
-    _last_plan = (tuple(t.clone() for t in inputs), (block_size, group_size)), plans
-    return plans
+def _plan_lone(table: list[int], seq_len: int, start: int, end: int, block_size: int, group_size: int,
+               device: torch.device) -> _Lone:
+    num_blocks = -(-seq_len // block_size)
+    table = table[:num_blocks]
+    if table == list(range(table[0], table[0] + num_blocks)):
+        blocks: slice | torch.Tensor = slice(table[0], table[0] + num_blocks)
+    else:
+        blocks = torch.tensor(table, dtype=torch.long, device=device)
+    mask = None
+    if end - start > 1:
+        positions = torch.arange(seq_len - (end - start), seq_len, device=device)
+        mask = torch.arange(seq_len, device=device) <= positions[:, None]
+        mask = mask.repeat_interleave(group_size, dim=0)[None, None]
+    return _Lone(start, end, seq_len, blocks, mask)
 
 
-def _make_plan(block_tables, seq_lens, query_start_loc, block_size: int, group_size: int) -> list[_GroupPlan]:
-    seq_lens = seq_lens.long()
-    query_start_loc = query_start_loc.long()
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    decode = q_lens == 1
-    whole_prompt = ~decode & (q_lens == seq_lens)
-    chunked = ~decode & ~whole_prompt
-    plans = []
-    for group, causal in ((decode, False), (whole_prompt, True), (chunked, False)):
-        seqs = group.nonzero().flatten()
-        if len(seqs):
-            plans.append(_plan_group(block_tables[seqs], seq_lens[seqs], query_start_loc[seqs],
-                                     q_lens[seqs], block_size, group_size, causal))
-    return plans
-
-
-def _plan_group(block_tables, seq_lens, q_starts, q_lens, block_size, group_size, causal) -> _GroupPlan:
-    device = seq_lens.device
-    num_seqs = len(seq_lens)
-    max_q = int(q_lens.max())
-    num_blocks = -(-int(seq_lens.max()) // block_size)
+def _plan_batch(seqs: list[int], block_tables, seq_lens, query_lens, starts, block_size: int, group_size: int,
+                device: torch.device, causal: bool) -> _Batch:
+    lens = torch.tensor([seq_lens[s] for s in seqs], device=device)
+    q_lens = torch.tensor([query_lens[s] for s in seqs], device=device)
+    q_starts = torch.tensor([starts[s] for s in seqs], device=device)
+    num_seqs, max_q = len(seqs), max(query_lens[s] for s in seqs)
+    num_blocks = -(-max(seq_lens[s] for s in seqs) // block_size)
     max_len = num_blocks * block_size
+    # blocks past a sequence's own read block 0: their slots are zeroed below
+    tables = [block_tables[s][: -(-seq_lens[s] // block_size)] for s in seqs]
+    blocks = torch.tensor([t + [0] * (num_blocks - len(t)) for t in tables], dtype=torch.long, device=device)
 
     q_offsets = torch.arange(max_q, device=device)
     real_q = q_offsets < q_lens[:, None]
     rows = q_starts[:, None] + torch.minimum(q_offsets, q_lens[:, None] - 1)
     key_positions = torch.arange(max_len, device=device)
-    past_end = (key_positions >= seq_lens[:, None]).flatten().nonzero().flatten()
-    # table entries past a sequence's own blocks may hold anything (padding, -1): read block 0
-    own = torch.arange(num_blocks, device=device) * block_size < seq_lens[:, None]
-    blocks = torch.where(own, block_tables[:, :num_blocks].long(), 0)
+    past_end = (key_positions >= lens[:, None]).flatten().nonzero().flatten()
     mask = None
     if not causal:
-        positions = seq_lens[:, None] - q_lens[:, None] + q_offsets  # [S, max_q]
+        positions = lens[:, None] - q_lens[:, None] + q_offsets  # [S, max_q]
         mask = key_positions <= positions[:, :, None]  # [S, max_q, L]
         mask = mask.repeat_interleave(group_size, dim=1)[:, None]  # [S, 1, max_q * G, L]
-    return _GroupPlan(num_seqs, max_q, max_len, rows.flatten(), None if bool(real_q.all()) else real_q.flatten(),
-                      blocks.flatten(), past_end, mask)
+    return _Batch(num_seqs, max_q, max_len, rows.flatten(), None if bool(real_q.all()) else real_q.flatten(),
+                  blocks.flatten(), past_end, mask)
 
 
-def _attend(plan: _GroupPlan, query, key_cache, value_cache, scale, out) -> None:
+def _run(plan: list, query, key, value, key_cache, value_cache, scale, out) -> None:
+    for part in plan:
+        if isinstance(part, _Prompt):
+            _attend_prompt(part, query, key, value, scale, out)
+        elif isinstance(part, _Lone):
+            _attend_lone(part, query, key_cache, value_cache, scale, out)
+        else:
+            _attend_batch(part, query, key_cache, value_cache, scale, out)
+
+
+def _attend_prompt(part: _Prompt, query, key, value, scale, out) -> None:
+    group_size = query.shape[1] // key.shape[1]
+    q = query[part.start:part.end].transpose(0, 1)
+    k = _repeat_heads(key[None, part.start:part.end], group_size)[0].transpose(0, 1)
+    v = _repeat_heads(value[None, part.start:part.end], group_size)[0].transpose(0, 1)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    out[part.start:part.end] = o.transpose(0, 1)
+
+
+def _attend_lone(part: _Lone, query, key_cache, value_cache, scale, out) -> None:
+    num_kv_heads, head_dim = key_cache.shape[2:]
+    q_len = part.end - part.start
+    group_size = query.shape[1] // num_kv_heads
+
+    def context(cache):
+        blocks = cache[part.blocks] if isinstance(part.blocks, slice) else cache.index_select(0, part.blocks)
+        return blocks.flatten(0, 1)[: part.seq_len].transpose(0, 1)[None]  # [1, Hkv, L, D]
+
+    # fold: [q_len, Hkv, G, D] -> [1, Hkv, q_len * G, D], rows ordered (query, head in group)
+    q = query[part.start:part.end].view(q_len, num_kv_heads, group_size, head_dim).transpose(0, 1)
+    q = q.reshape(1, num_kv_heads, q_len * group_size, head_dim)
+    o = F.scaled_dot_product_attention(q, context(key_cache), context(value_cache), attn_mask=part.mask,
+                                       scale=scale)
+    out[part.start:part.end] = o.view(num_kv_heads, q_len, group_size, head_dim).transpose(0, 1).flatten(1, 2)
+
+
+def _attend_batch(plan: _Batch, query, key_cache, value_cache, scale, out) -> None:
     """One padded SDPA batch for a group of sequences; writes their rows of `out`."""
     num_q_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[2]
@@ -157,7 +239,7 @@ def _attend(plan: _GroupPlan, query, key_cache, value_cache, scale, out) -> None
         out.index_copy_(0, plan.rows[plan.real_rows], o[plan.real_rows].to(out.dtype))
 
 
-def _gather(cache: torch.Tensor, plan: _GroupPlan) -> torch.Tensor:
+def _gather(cache: torch.Tensor, plan: _Batch) -> torch.Tensor:
     """[S, max_len, Hkv, D]: each sequence's context in order, zeros past its length."""
     slots = cache.index_select(0, plan.blocks).flatten(0, 1)
     slots.index_fill_(0, plan.past_end, 0)

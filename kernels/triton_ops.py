@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .metadata import AttentionMetadata
+
 LOG2E = 1.4426950408889634
 
 # read once, as Triton does when the kernels below are defined
@@ -280,3 +282,11 @@ def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride(), \
         "key and value caches must share shape and layout"
     assert key_cache.stride(3) == 1, "head_dim must be contiguous in the caches"
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+              value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One layer's attention for a step: store the new K/V [T, Hkv, D], then attend query [T, Hq, D]."""
+    store_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+    return paged_attention(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+                           metadata.query_start_loc, scale)

@@ -84,12 +84,13 @@ def check_model(args: argparse.Namespace) -> dict:
     """Path, config, architecture, tokenizer, device, dtype, backend and pool size: the LLM's keyword
     arguments once all of them are known to work. May install or convert the model (with progress)."""
     from pagedchat.engine import loader
-    from pagedchat.engine.llm import kv_pool_blocks, pick_attention_ops
+    from pagedchat.engine.llm import kv_pool_blocks
     from pagedchat.engine.model_runner import KVLayout
+    from pagedchat.kernels import select_backend
 
     device = loader.resolve_device(args.device)
     dtype = loader.resolve_dtype(args.dtype, device)
-    pick_attention_ops(args.backend, device.type)
+    select_backend(args.backend, device.type)
     path = loader.resolve_model(args.model)
     config = loader.check_model(path, args.max_model_len)
     num_blocks = kv_pool_blocks(config, args.block_size, args.num_blocks, args.kv_memory, dtype)

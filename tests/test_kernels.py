@@ -183,15 +183,21 @@ def test_store_kv_strided_bf16(impl):
     assert torch.equal(value_cache.view(-1, 2, 64)[20:30], value)
 
 
-def test_dispatch_under_interpreter(monkeypatch):
-    """The package-level functions reach the Triton kernels when TRITON_INTERPRET=1 (set in conftest)."""
-    calls = []
-    monkeypatch.setattr(triton_ops, "store_kv", lambda *args: calls.append("triton"))
+def test_one_rule_selects_the_backend(monkeypatch):
+    """Triton on CUDA, torch on the CPU; Triton by name on the CPU only under the interpreter."""
+    assert kernels.select_backend("auto", "cuda") is triton_ops
+    assert kernels.select_backend("auto", "cpu") is torch_ops
+    assert kernels.select_backend("torch", "cuda") is torch_ops
+    assert kernels.select_backend("triton", "cpu") is triton_ops  # TRITON_INTERPRET=1, set in conftest
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs a GPU"):
+        kernels.select_backend("triton", "cpu")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        kernels.select_backend("cudnn", "cpu")
+    calls = []  # the package-level functions follow the same rule
     monkeypatch.setattr(torch_ops, "store_kv", lambda *args: calls.append("torch"))
     kernels.store_kv(*[torch.zeros(1)] * 5)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    kernels.store_kv(*[torch.zeros(1)] * 5)
-    assert calls == ["triton", "torch"]
+    assert calls == ["torch"]
 
 
 def test_engine_with_triton_backend_matches_hf(tiny_model):

@@ -8,6 +8,7 @@ from pagedchat.engine.llm_engine import EngineConfig, LLMEngine
 from pagedchat.engine.model_runner import KVLayout
 from pagedchat.engine.outputs import RequestOutput
 from pagedchat.engine.params import SamplingParams
+from pagedchat.kernels import select_backend
 
 DEFAULT_NUM_KV_BLOCKS = 512
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -21,22 +22,6 @@ def parse_size(size: int | str) -> int:
     if not match:
         raise ValueError(f"not a size: {size!r} (use e.g. 256MiB or 2GB)")
     return int(float(match[1]) * _UNITS[match[2] or ""])
-
-
-def pick_attention_ops(backend: str, device_type: str):
-    if backend == "auto":
-        backend = "triton" if device_type == "cuda" else "torch"
-    if backend == "torch":
-        from pagedchat.kernels import torch_ops
-
-        return torch_ops
-    if backend == "triton":
-        if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("the triton backend needs a GPU, or TRITON_INTERPRET=1 to run on the CPU (slowly)")
-        from pagedchat.kernels import triton_ops
-
-        return triton_ops
-    raise ValueError(f"unknown attention backend {backend!r} (auto, torch, triton)")
 
 
 class LLM:
@@ -58,7 +43,7 @@ class LLM:
     ):
         torch_device = loader.resolve_device(device)
         torch_dtype = loader.resolve_dtype(dtype, torch_device)
-        attention_ops = pick_attention_ops(attention_backend, torch_device.type)
+        attention_ops = select_backend(attention_backend, torch_device.type)
         self.model_path = loader.resolve_model(model)
         config = loader.check_model(self.model_path, max_model_len)
         num_blocks = kv_pool_blocks(config, block_size, num_kv_blocks, kv_cache_memory, torch_dtype)

@@ -51,7 +51,7 @@ class LLMEngine:
         self.pool = BlockPool(config.num_kv_blocks, config.block_size)
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size, attention_ops)
+        self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size, attention_ops, config.max_model_len)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.groups: dict[str, list[Sequence]] = {}  # request id -> its samples
         self.step_count = 0

@@ -26,8 +26,6 @@ from unittest import mock
 
 import torch
 
-from pagedchat.engine.cpu_linear import multiply_in_fp32
-
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -331,25 +329,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         # bf16 halves the model's memory; on CPUs without bf16 instructions its matmuls are done in
-        # fp32 (see load_model and cpu_linear), as fast as a model held in fp32 or faster.
+        # fp32 (see cpu_linear), as fast as a model held in fp32 or faster.
         return torch.bfloat16
     if dtype not in _DTYPES:
         raise ModelError(f"unknown dtype {dtype!r}: choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
-
-
-def widens_matmuls(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a model of this dtype multiplies in fp32 on this device (a CPU that emulates half precision)."""
-    return device.type == "cpu" and dtype != torch.float32 and not _cpu_has_fast_bf16()
-
-
-@functools.cache
-def _cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: stay with the safe choice
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device
@@ -363,6 +347,4 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device
     except Exception as error:  # a bad file shows up as OSError, SafetensorError, RuntimeError, ...
         raise ModelError(f"could not load the model in {path}: {_one_line(error)}") from error
     model.to(device).eval().requires_grad_(False)
-    if widens_matmuls(dtype, device):
-        multiply_in_fp32(model)
     return model, tokenizer

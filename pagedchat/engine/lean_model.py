@@ -1,0 +1,132 @@
+"""pagedchat's own forward for Llama, Mistral, Qwen2 and Qwen3, on the weights transformers loaded.
+
+The stock transformers modules spend a step's time in Python and in small ops (a decode step of the
+default model is ~60 calls per layer); this forward does the same arithmetic in about half as many,
+as vLLM and nano-vllm do: q/k/v and gate/up are one matmul each (the fused weight is one tensor and
+transformers' modules keep views of it, so nothing is held twice), rotary comes from a table
+computed once by the model's own rotary module (so every rope scaling transformers knows is exact),
+q and k are rotated together, and the vocabulary projection runs only on the rows that are sampled.
+The arithmetic is HF's, op for op, so greedy fp32 output equals HF `generate` token for token.
+"""
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedchat.engine.cpu_linear import Linear, linear_for
+from pagedchat.kernels import AttentionMetadata
+
+LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(slots=True)
+class LeanLayer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # Qwen3: RMSNorm over each head before rotary
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+class LeanModel:
+    """Runs a loaded transformers causal LM on one packed step with paged KV; see the module's docstring."""
+
+    def __init__(self, model: nn.Module, max_positions: int):
+        config = model.config
+        if type(model).__name__ not in LEAN_ARCHITECTURES or config.hidden_act != "silu":
+            raise ValueError(f"no lean forward for {type(model).__name__} with {config.hidden_act}")
+        base = model.model
+        attn = base.layers[0].self_attn
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scale = attn.scaling
+        self.eps = config.rms_norm_eps
+        self.intermediate = config.intermediate_size
+        self.embed = base.embed_tokens.weight
+        self.final_norm = base.norm.weight
+        self.lm_head = model.lm_head.weight
+        self.layers = [_fuse_layer(layer) for layer in base.layers]
+        self.linear: Linear = linear_for(self.embed.dtype, self.embed.device)
+        positions = torch.arange(max_positions, device=self.embed.device)[None]
+        cos, sin = base.rotary_emb(self.embed[:1], positions)  # [1, P, D] in the model's dtype
+        half = self.head_dim // 2
+        self.cos = cos[0]
+        # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated), exactly
+        self.sin_signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata,
+                attention_ops: ModuleType) -> torch.Tensor:
+        """Logits [len(sample_rows), vocab] for the packed tokens, writing their K/V into the caches."""
+        linear, eps = self.linear, self.eps
+        num_tokens = input_ids.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        cos = self.cos[positions][:, None]
+        sin = self.sin_signed[positions][:, None]
+        half = self.head_dim // 2
+        hidden = F.embedding(input_ids, self.embed)
+        residual = None
+        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+            if residual is None:
+                residual = hidden
+            else:
+                residual = residual + hidden
+            x = F.rms_norm(residual, residual.shape[-1:], layer.input_norm, eps)
+            qkv = linear(x, layer.qkv, layer.qkv_bias)
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim)
+            value = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+            if layer.q_norm is not None:
+                qk = torch.cat([F.rms_norm(qk[:, : self.num_heads], (self.head_dim,), layer.q_norm, eps),
+                                F.rms_norm(qk[:, self.num_heads:], (self.head_dim,), layer.k_norm, eps)], dim=1)
+            qk = qk * cos + qk.roll(half, dims=-1) * sin
+            o = attention_ops.attention(qk[:, : self.num_heads], qk[:, self.num_heads:], value, key_cache,
+                                        value_cache, metadata, self.scale)
+            hidden = linear(o.view(num_tokens, q_size), layer.o_proj, layer.o_bias)
+            residual = residual + hidden
+            x = F.rms_norm(residual, residual.shape[-1:], layer.post_norm, eps)
+            gate_up = linear(x, layer.gate_up, layer.gate_up_bias)
+            x = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate:]
+            hidden = linear(x, layer.down, layer.down_bias)
+        residual = (residual + hidden).index_select(0, sample_rows)
+        x = F.rms_norm(residual, residual.shape[-1:], self.final_norm, eps)
+        return linear(x, self.lm_head, None)
+
+
+def _fuse_layer(layer: nn.Module) -> LeanLayer:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+    q_norm = getattr(attn, "q_norm", None)
+    k_norm = getattr(attn, "k_norm", None)
+    return LeanLayer(
+        layer.input_layernorm.weight, qkv, qkv_bias,
+        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+        attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+        gate_up, gate_up_bias, mlp.down_proj.weight, mlp.down_proj.bias,
+    )
+
+
+def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for sibling linears; each linear keeps a view of its rows, so no copy stays."""
+    weight = torch.cat([m.weight for m in linears])
+    bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[start:start + rows], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[start:start + rows], requires_grad=False)
+        start += rows
+    return weight, bias
