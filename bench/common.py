@@ -182,29 +182,24 @@ def layer_shapes(config) -> list[tuple[int, int]]:
 
 
 def matmul_gflops(dtype: torch.dtype, rows: int, shapes: Sequence[tuple[int, int]] = ((576, 1536),),
-                  trials: int = 5, seconds: float = 0.1, widened: bool = False) -> float:
-    """GFLOP/s of linear layers at `rows` rows over the given (in, out) weight shapes: the compute ceiling
-    (with a model's layer_shapes, exactly the matmuls one of its layers does per step). `widened`: the
-    layers multiply in fp32, as pagedchat's do for half-precision models on CPUs without bf16
-    instructions. The best of a few short trials, timed in CPU time with one torch thread (like the
-    peers), else in wall time."""
-    from pagedchat.engine.cpu_linear import multiply_in_fp32
-
+                  trials: int = 5, seconds: float = 0.1, linear: Callable = F.linear) -> float:
+    """GFLOP/s of `linear` at `rows` rows over the given (in, out) weight shapes: the compute ceiling
+    (with a model's layer_shapes, exactly the matmuls one of its layers does per step); pass
+    `cpu_linear.linear_for(dtype, cpu)` for the route pagedchat's layers take. The best of a few short
+    trials, timed in CPU time with one torch thread (like the peers), else in wall time."""
     clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     xs = {k: torch.randn(rows, k, dtype=dtype) for k, _ in shapes}
-    layers = torch.nn.ModuleList(torch.nn.Linear(k, n, bias=False, dtype=dtype) for k, n in shapes)
-    if widened:
-        multiply_in_fp32(layers)
+    weights = [torch.randn(n, k, dtype=dtype) for k, n in shapes]
     flops = sum(2 * rows * k * n for k, n in shapes)
     best = 0.0
     with torch.inference_mode():
-        for layer in layers:
-            layer(xs[layer.in_features])
+        for weight in weights:
+            linear(xs[weight.shape[1]], weight, None)
         for _ in range(trials):
             count, start = 0, clock()
             while (elapsed := clock() - start) < seconds:
-                for layer in layers:
-                    layer(xs[layer.in_features])
+                for weight in weights:
+                    linear(xs[weight.shape[1]], weight, None)
                 count += 1
             best = max(best, flops * count / elapsed / 1e9)
     return best

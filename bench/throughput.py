@@ -19,7 +19,9 @@ from bench.common import (
     DTYPES, Request, Section, Table, arg_parser, describe, start, layer_shapes, load_hf, load_llm,
     Times, flops_per_token, matmul_gflops, model_config, random_requests, stopwatch,
 )
-from pagedchat.engine.loader import widens_matmuls
+import torch.nn.functional as F
+
+from pagedchat.engine.cpu_linear import linear_for, widens_matmuls
 
 # (requests, prompt length range, output length range) per size; the full size is issue 6's.
 MIX_SIZES = {
@@ -125,8 +127,8 @@ def report(title: str, dtype: str, requests: Sequence[Request], times: dict[str,
                        "(wall)", "goal"], rows)],
     )
     if ceiling["widened"]:
-        section.notes.append(f"pagedchat multiplies {dtype} in fp32 on this CPU, which has no bf16 instructions "
-                             "(the weights stay half-sized: pagedchat/engine/cpu_linear.py); the HF peers use "
+        section.notes.append(f"pagedchat multiplies {dtype} batches in fp32 through oneDNN on this CPU, which has no "
+                             "bf16 instructions (pagedchat/engine/cpu_linear.py); the HF peers use "
                              f"torch's own {dtype} matmuls. The ceiling is the faster of the two routes.")
     section.notes.append(
         f"compute ceiling: linear layers of one layer's weight shapes, best of 5 trials (CPU time with one thread): "
@@ -144,8 +146,9 @@ def ceiling_for(model: str | None, dtype: str, decode_rows: int) -> dict[str, fl
     shapes = layer_shapes(model_config(model))
     widened = widens_matmuls(DTYPES[dtype], torch.device("cpu"))
 
-    def rate(rows: int) -> float:  # where pagedchat multiplies half precision in fp32, the faster route
-        return max(matmul_gflops(DTYPES[dtype], rows, shapes, widened=w) for w in {False, widened})
+    def rate(rows: int) -> float:  # torch's own product or pagedchat's route (cpu_linear), the faster
+        routes = (F.linear, linear_for(DTYPES[dtype], torch.device("cpu")))
+        return max(matmul_gflops(DTYPES[dtype], rows, shapes, linear=route) for route in routes)
 
     return {"decode": rate(decode_rows), "prefill": rate(512), "decode_rows": decode_rows, "widened": widened}
 

@@ -250,3 +250,29 @@ def _repeat_heads(x: torch.Tensor, group_size: int) -> torch.Tensor:
     """[S, L, Hkv, D] -> [S, L, Hkv * G, D], each KV head repeated for its group of query heads."""
     s, length, heads, dim = x.shape
     return x[:, :, :, None].expand(s, length, heads, group_size, dim).reshape(s, length, -1, dim)
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """A decode batch (one query per sequence): store its K/V, then attend, in plain ops that
+    `torch.compile` fuses into a few loops (eager, `attention` is faster).
+
+    query [S, Hq, D], key/value [S, Hkv, D]; every entry of block_tables [S, NB] must be a block of the
+    cache (pad with any block): the whole table is read and masked past each sequence's length.
+    """
+    num_seqs, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    flat = (-1, num_kv_heads, head_dim)
+    key_cache.view(flat).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(flat).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    length = block_tables.shape[1] * key_cache.shape[1]
+    valid = torch.arange(length, device=query.device) < seq_lens[:, None]  # [S, L]
+    keys = key_cache[block_tables].view(num_seqs, length, num_kv_heads, head_dim).float()
+    values = value_cache[block_tables].view(num_seqs, length, num_kv_heads, head_dim).float()
+    q = query.reshape(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim).float()
+    scores = torch.einsum("skgd,slkd->skgl", q, keys) * scale
+    probs = scores.masked_fill(~valid[:, None, None], float("-inf")).softmax(-1)
+    values = torch.where(valid[:, :, None, None], values, 0.0)  # an unused slot may hold NaN
+    out = torch.einsum("skgl,slkd->skgd", probs, values)
+    return out.to(query.dtype).reshape(num_seqs, num_q_heads, head_dim)

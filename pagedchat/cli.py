@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda", help="where the model runs (auto)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="model and KV dtype (auto: bfloat16, float16 on a GPU without it)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="do not compile the decode step in the background (CPU; also PAGEDCHAT_COMPILE=0)")
     parser.add_argument("--theme", default=DEFAULT_THEME, metavar="NAME",
                         help=f"one of {', '.join(load_themes())} ({DEFAULT_THEME}); switch in the app with ctrl+p")
     parser.add_argument("--demo", action="store_true",
@@ -106,7 +108,7 @@ def check_model(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.backend,
-                dtype=args.dtype, device=args.device)
+                dtype=args.dtype, device=args.device, compile=False if args.no_compile else None)
 
 
 def _available_memory(device) -> int | None:

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+os.environ.setdefault("PAGEDCHAT_COMPILE", "0")  # the tests that compile ask for it; the rest stay eager
 
 # `bench` is importable for its smoke tests; appended, not prepended, so that `pagedchat` is still the
 # installed package (whose `pagedchat.kernels` the source folder lacks).

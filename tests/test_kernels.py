@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedchat import kernels
-from pagedchat.kernels import torch_ops, triton_ops
+from pagedchat.kernels import AttentionMetadata, torch_ops, triton_ops
 
 IMPLEMENTATIONS = {"torch": torch_ops, "triton": triton_ops}
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -150,6 +150,66 @@ def test_paged_attention_strided_query(impl):
     out = IMPLEMENTATIONS[impl].paged_attention(**batch)
     assert out.is_contiguous() and out.dtype == torch.float32
     assert relative_error(out, expected) <= 1e-5
+
+
+def step_inputs(batch: dict) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """The step's new K/V (each sequence's last q_len positions, as the cache holds them, so storing
+    them changes nothing) and its metadata, from a batch of make_batch."""
+    key_cache, block_size = batch["key_cache"], batch["key_cache"].shape[1]
+    seq_lens, starts = batch["seq_lens"].tolist(), batch["query_start_loc"].tolist()
+    query_lens = [b - a for a, b in zip(starts, starts[1:])]
+    tables = [row[: -(-n // block_size)] for row, n in zip(batch["block_tables"].tolist(), seq_lens)]
+    slots = [tables[s][p // block_size] * block_size + p % block_size
+             for s, (n, q) in enumerate(zip(seq_lens, query_lens)) for p in range(n - q, n)]
+    flat = (-1, *key_cache.shape[2:])
+    index = torch.tensor(slots)
+    key, value = key_cache.view(flat)[index], batch["value_cache"].view(flat)[index]
+    return key, value, AttentionMetadata.build(tables, seq_lens, query_lens, slots)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("seqs", [
+    "mixed", [(130, 1)], [(305, 23)], [(64, 64), (9, 9)], [(40, 1), (200, 1)],
+], ids=["mixed", "lone-decode", "lone-chunk", "prompts", "decode-batch"])
+def test_attention_of_a_step(impl, seqs):
+    """`attention`, the engine's entry: new K/V stored, then attended, planned once from the metadata and
+    reused, on every kind of step (a lone sequence, whole prompts on their own K/V, batches)."""
+    seqs = mixed_seqs(8) if seqs == "mixed" else seqs
+    batch = make_batch(seqs, 64, 8, torch.float32, 9, 3, seed=len(seqs))
+    expected = reference_attention(**batch)
+    key, value, metadata = step_inputs(batch)
+    for _ in range(2):  # the second layer of the step reuses the plan the first one made
+        out = IMPLEMENTATIONS[impl].attention(batch["query"], key, value, batch["key_cache"], batch["value_cache"],
+                                              metadata, batch["scale"])
+        assert relative_error(out, expected) <= 1e-5
+
+
+def test_lone_sequence_on_consecutive_blocks_reads_the_cache_in_place():
+    batch = make_batch([(100, 1)], 64, 16, torch.float32, 4, 2, seed=4)
+    batch["block_tables"][0, :7] = torch.arange(2, 9)  # blocks 2..8, in order
+    key_cache, value_cache = batch["key_cache"], batch["value_cache"]
+    for cache in (key_cache, value_cache):
+        cache[2:9] = torch.randn(7, 16, 2, 64)
+        cache[2:9].view(-1, 2, 64)[100:] = float("nan")
+    expected = reference_attention(**batch)
+    key, value, metadata = step_inputs(batch)
+    out = torch_ops.attention(batch["query"], key, value, key_cache, value_cache, metadata, batch["scale"])
+    assert isinstance(metadata.plan[0].blocks, slice)
+    assert relative_error(out, expected) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_over_whole_tables(dtype):
+    """The compiled step's attention: whole padded tables read, masked past each length (NaN slots)."""
+    seqs = [(n, 1) for n in (1, 7, 16, 100, 255)]
+    batch = make_batch(seqs, 64, 16, dtype, 9, 3, seed=5)
+    batch["block_tables"][batch["block_tables"] == torch.iinfo(torch.int32).max] = 0  # pad with a real block
+    expected = reference_attention(**batch)
+    key, value, metadata = step_inputs(batch)
+    out = torch_ops.decode_attention(batch["query"], key, value, batch["key_cache"], batch["value_cache"],
+                                     metadata.slot_mapping, batch["block_tables"].long(), batch["seq_lens"],
+                                     batch["scale"])
+    assert out.dtype == dtype and relative_error(out, expected) <= TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedchat.engine.cpu_linear import Linear, linear_for
-from pagedchat.kernels import AttentionMetadata
+from pagedchat.kernels import AttentionMetadata, torch_ops
 
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -70,38 +70,61 @@ class LeanModel:
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata,
                 attention_ops: ModuleType) -> torch.Tensor:
         """Logits [len(sample_rows), vocab] for the packed tokens, writing their K/V into the caches."""
-        linear, eps = self.linear, self.eps
-        num_tokens = input_ids.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        cos = self.cos[positions][:, None]
-        sin = self.sin_signed[positions][:, None]
-        half = self.head_dim // 2
-        hidden = F.embedding(input_ids, self.embed)
-        residual = None
+        cos, sin = self.cos[positions], self.sin_signed[positions]
+        residual = F.embedding(input_ids, self.embed)
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
-            if residual is None:
-                residual = hidden
-            else:
-                residual = residual + hidden
-            x = F.rms_norm(residual, residual.shape[-1:], layer.input_norm, eps)
-            qkv = linear(x, layer.qkv, layer.qkv_bias)
-            qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim)
-            value = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-            if layer.q_norm is not None:
-                qk = torch.cat([F.rms_norm(qk[:, : self.num_heads], (self.head_dim,), layer.q_norm, eps),
-                                F.rms_norm(qk[:, self.num_heads:], (self.head_dim,), layer.k_norm, eps)], dim=1)
-            qk = qk * cos + qk.roll(half, dims=-1) * sin
-            o = attention_ops.attention(qk[:, : self.num_heads], qk[:, self.num_heads:], value, key_cache,
-                                        value_cache, metadata, self.scale)
-            hidden = linear(o.view(num_tokens, q_size), layer.o_proj, layer.o_bias)
-            residual = residual + hidden
-            x = F.rms_norm(residual, residual.shape[-1:], layer.post_norm, eps)
-            gate_up = linear(x, layer.gate_up, layer.gate_up_bias)
-            x = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate:]
-            hidden = linear(x, layer.down, layer.down_bias)
-        residual = (residual + hidden).index_select(0, sample_rows)
-        x = F.rms_norm(residual, residual.shape[-1:], self.final_norm, eps)
-        return linear(x, self.lm_head, None)
+            q, k, v = self.attention_inputs(residual, cos, sin, layer, self.linear)
+            o = attention_ops.attention(q, k, v, key_cache, value_cache, metadata, self.scale)
+            residual = self.mlp(o, residual, layer, self.linear)
+        return self.logits(residual.index_select(0, sample_rows), self.linear)
+
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Logits [S, vocab] of a decode batch (one new token per sequence), in plain tensor ops throughout,
+        which `torch.compile` takes whole (compiled_decode.py); block_tables [S, NB] padded with any block.
+        Its matmuls are torch's own, which inductor sees through."""
+        cos, sin = self.cos[positions], self.sin_signed[positions]
+        residual = F.embedding(input_ids, self.embed)
+        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+            q, k, v = self.attention_inputs(residual, cos, sin, layer, F.linear)
+            o = torch_ops.decode_attention(q, k, v, key_cache, value_cache, slot_mapping, block_tables, seq_lens,
+                                           self.scale)
+            residual = self.mlp(o, residual, layer, F.linear)
+        return self.logits(residual, F.linear)
+
+    def logits(self, residual: torch.Tensor, linear: Linear) -> torch.Tensor:
+        return linear(rms_norm(residual, self.final_norm, self.eps), self.lm_head, None)
+
+    def attention_inputs(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: LeanLayer,
+                         linear: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D] and k [T, Hkv, D] rotated, v [T, Hkv, D], from the residual stream entering a layer."""
+        num_tokens, heads, dim = residual.shape[0], self.num_heads, self.head_dim
+        x = rms_norm(residual, layer.input_norm, self.eps)
+        qkv = linear(x, layer.qkv, layer.qkv_bias)
+        qk = qkv[:, : (heads + self.num_kv_heads) * dim].view(num_tokens, -1, dim)
+        v = qkv[:, (heads + self.num_kv_heads) * dim:].view(num_tokens, self.num_kv_heads, dim)
+        if layer.q_norm is not None:
+            qk = torch.cat([rms_norm(qk[:, :heads], layer.q_norm, self.eps),
+                            rms_norm(qk[:, heads:], layer.k_norm, self.eps)], dim=1)
+        qk = qk * cos[:, None] + qk.roll(dim // 2, dims=-1) * sin[:, None]
+        return qk[:, :heads], qk[:, heads:], v
+
+    def mlp(self, attention_out: torch.Tensor, residual: torch.Tensor, layer: LeanLayer, linear: Linear
+            ) -> torch.Tensor:
+        """The residual stream leaving a layer: + o_proj(attention), then + the MLP of its norm."""
+        residual = residual + linear(attention_out.flatten(1), layer.o_proj, layer.o_bias)
+        x = rms_norm(residual, layer.post_norm, self.eps)
+        gate_up = linear(x, layer.gate_up, layer.gate_up_bias)
+        x = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate:]
+        return residual + linear(x, layer.down, layer.down_bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm, op for op: in fp32, rounded to x's dtype before the weight."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 def _fuse_layer(layer: nn.Module) -> LeanLayer:

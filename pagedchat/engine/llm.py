@@ -4,6 +4,7 @@ import re
 from collections.abc import Sequence as SequenceABC
 
 from pagedchat.engine import loader
+from pagedchat.engine.compiled_decode import compiling_by_default
 from pagedchat.engine.llm_engine import EngineConfig, LLMEngine
 from pagedchat.engine.model_runner import KVLayout
 from pagedchat.engine.outputs import RequestOutput
@@ -40,6 +41,8 @@ class LLM:
         attention_backend: str = "auto",
         dtype: str = "auto",
         device: str = "auto",
+        num_threads: int | None = None,
+        compile: bool | None = None,
     ):
         torch_device = loader.resolve_device(device)
         torch_dtype = loader.resolve_dtype(dtype, torch_device)
@@ -54,6 +57,7 @@ class LLM:
         engine_config = EngineConfig(
             num_kv_blocks=num_blocks, max_model_len=context, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            num_threads=num_threads, compile=compiling_by_default() if compile is None else compile,
         )
         self.engine = LLMEngine(model_obj, self.tokenizer, engine_config, attention_ops)
         self._ids = itertools.count()

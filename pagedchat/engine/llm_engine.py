@@ -16,6 +16,7 @@ from pagedchat.engine.sampler import sample
 from pagedchat.engine.scheduler import Scheduler
 from pagedchat.engine.sequence import Sequence, Status, make_generator
 from pagedchat.engine.snapshot import BlockInfo, KVSnapshot, RequestInfo
+from pagedchat.engine.threads import ThreadPolicy
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,12 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch threads; None: the cores other processes leave free (threads.py)
+    compile: bool = True  # compile the decode step in the background (CPU, torch backend; compiled_decode.py)
 
     def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         for name in ("num_kv_blocks", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -51,7 +56,11 @@ class LLMEngine:
         self.pool = BlockPool(config.num_kv_blocks, config.block_size)
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size, attention_ops, config.max_model_len)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.threads = ThreadPolicy() if config.num_threads is None else None
+        self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size, attention_ops, config.max_model_len,
+                                  config.compile)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.groups: dict[str, list[Sequence]] = {}  # request id -> its samples
         self.step_count = 0
@@ -156,6 +165,8 @@ class LLMEngine:
         """Schedule, run one packed forward, sample; return one RequestOutput per request that moved."""
         self.step_count += 1
         self.pool.step = self.step_count
+        if self.threads is not None:
+            self.threads.update()
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         num_sampled = 0

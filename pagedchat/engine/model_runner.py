@@ -2,11 +2,13 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from pagedchat.engine.compiled_decode import CompiledDecode
 from pagedchat.engine.lean_model import LeanModel
 from pagedchat.engine.scheduler import ScheduledSeq
-from pagedchat.kernels import AttentionMetadata
+from pagedchat.kernels import AttentionMetadata, torch_ops
 
 
 @dataclass(slots=True)
@@ -24,22 +26,32 @@ class KVLayout:
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
+def one_row_is_torch_product(lean: LeanModel) -> bool:
+    """Whether the eager forward multiplies one row as the compiled step does (torch's own product), so that
+    compiling gains; an fp32 model on oneDNN is faster eager (27 against 36 ms of matmuls a step)."""
+    return lean.linear is F.linear or getattr(lean.linear, "half_rows", 0) >= 1
+
+
 class ModelRunner:
     """Runs one packed step of all scheduled tokens through the lean forward, with paged KV."""
 
     def __init__(self, model: PreTrainedModel, num_blocks: int, block_size: int, attention_ops: ModuleType,
-                 max_model_len: int):
+                 max_model_len: int, compile: bool = False):
         self.model = model
         self.lean = LeanModel(model, max_model_len)
         self.block_size = block_size
         self.attention_ops = attention_ops
         self.device = model.device
         layout = KVLayout.of(model.config)
-        shape = (num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
+        # one block past the pool's: the compiled step's warm-up and padding write and read there
+        shape = (num_blocks + 1, block_size, layout.num_kv_heads, layout.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=model.dtype, device=self.device), torch.zeros(shape, dtype=model.dtype, device=self.device))
             for _ in range(layout.num_layers)
         ]
+        self.compiled: CompiledDecode | None = None
+        if compile and self.device.type == "cpu" and attention_ops is torch_ops and one_row_is_torch_product(self.lean):
+            self.compiled = CompiledDecode(self.lean, self.kv_caches, scratch_block=num_blocks)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in copies], device=self.device)
@@ -52,6 +64,8 @@ class ModelRunner:
     def forward(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Compute the scheduled tokens' KV; return logits [num sampling seqs, vocab] in batch order."""
         bs = self.block_size
+        if len(batch) == 1 and batch[0].num_tokens == 1 and batch[0].samples and self.compiled and self.compiled.fn:
+            return self._decode_compiled(batch[0].seq)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -76,3 +90,14 @@ class ModelRunner:
 
         return self.lean.forward(tensor(input_ids), tensor(positions), tensor(sample_rows), self.kv_caches,
                                  metadata, self.attention_ops)
+
+    def _decode_compiled(self, seq) -> torch.Tensor:
+        position = seq.num_computed_tokens
+        num_blocks = position // self.block_size + 1
+        slot = seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+        def tensor(values):
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        return self.compiled(tensor([seq.token_ids[position]]), tensor([position]), tensor([slot]),
+                             tensor([self.compiled.pad_table(seq.block_table[:num_blocks])]), tensor([position + 1]))

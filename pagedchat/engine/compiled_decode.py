@@ -1,0 +1,83 @@
+"""One chat's decode step compiled by inductor in the background, while the eager forward serves.
+
+A chat decoding alone is what a person does most, and on a CPU its eager step is mostly per-op cost:
+~30 small ops a layer around four matmuls. Compiled, the ops between the matmuls (norms, rotary, the
+attention over the gathered blocks, SiLU) become a few C++ loops and the step loses a fifth of its
+time. Compiling takes about a minute and a half on 2 cores, so it never happens where the user waits:
+a thread compiles on a warm-up input that writes only to a scratch block of the KV pool (one block
+more than the pool hands out), and the runner uses the compiled step once it is ready. Inductor's
+caches live in the user cache folder, so a second start finds the compiled code (~10 s, still in the
+background). Anything that fails while compiling (no C++ compiler, say) is logged, and the eager
+forward goes on serving.
+
+Only a batch of one sequence is compiled: a batch of several runs its matmuls at several rows, where
+they dominate and compiling gains little.
+"""
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from pagedchat.engine.lean_model import LeanModel
+
+log = logging.getLogger(__name__)
+
+COMPILE_ENV = "PAGEDCHAT_COMPILE"  # "0": LLM and the app do not compile unless asked to
+
+
+def compiling_by_default() -> bool:
+    return os.environ.get(COMPILE_ENV, "1") != "0"
+
+
+def compile_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedchat" / "inductor"
+
+
+class CompiledDecode:
+    """The lean model's decode step for one sequence, compiled by a background thread."""
+
+    def __init__(self, lean: LeanModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scratch_block: int):
+        self.lean = lean
+        self.kv_caches = kv_caches
+        self.scratch_block = scratch_block
+        self.fn = None  # the compiled step, once ready
+        self.error: str | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._compile, name="pagedchat-compile", daemon=True).start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the compiled step is ready, after waiting up to `timeout` seconds for the compile."""
+        self._done.wait(timeout)
+        return self.fn is not None
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        return self.fn(input_ids, positions, slot_mapping, block_tables, seq_lens, self.kv_caches)
+
+    def pad_table(self, table: list[int]) -> list[int]:
+        """A block table as the compiled step takes it: two entries at least (a one-entry table would be a
+        shape of its own to compile), padding read from the scratch block and masked."""
+        return table + [self.scratch_block] * (2 - len(table))
+
+    def _compile(self) -> None:
+        try:
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
+            fn = torch.compile(self.lean.decode, dynamic=True, fullgraph=True)
+            block_size = self.kv_caches[0][0].shape[1]
+            device = self.lean.embed.device
+
+            def tensor(values):
+                return torch.tensor(values, dtype=torch.long, device=device)
+
+            with torch.inference_mode():  # token 0 at position 0, written to the scratch block's first slot
+                fn(tensor([0]), tensor([0]), tensor([self.scratch_block * block_size]),
+                   tensor([self.pad_table([self.scratch_block])]), tensor([1]), self.kv_caches)
+            self.fn = fn
+        except Exception as exc:  # noqa: BLE001 - whatever inductor raises, the eager forward serves on
+            log.warning("compiling the decode step failed; staying eager", exc_info=True)
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._done.set()

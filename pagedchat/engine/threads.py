@@ -1,0 +1,58 @@
+"""How many threads torch computes with: the cores that other processes leave free, re-read as the engine runs.
+
+On a machine shared with other jobs, an OpenMP thread that gets descheduled makes every op wait for it
+at a barrier: with one busy neighbour on 2 cores, 2 threads decoded at 0.28x of their quiet speed while
+1 thread kept ~1.0x. So the engine counts the CPU time the rest of the machine used over the last
+interval (/proc/stat's busy time less this process's own, /proc/self/stat) and computes with the cores
+that are left, never fewer than one.
+"""
+
+import os
+import time
+
+import torch
+
+CHECK_INTERVAL_S = 1.0
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _machine_busy_ticks() -> int:
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return sum(fields[:8]) - idle  # user .. steal: a stolen tick went to another guest
+
+
+def _own_ticks() -> int:
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime of all our threads
+
+
+class ThreadPolicy:
+    """Sets torch's thread count to the free cores, at most once per `CHECK_INTERVAL_S`; `update()` each step."""
+
+    def __init__(self, cores: int | None = None):
+        self.cores = cores or len(os.sched_getaffinity(0))
+        self.available = os.path.exists("/proc/stat")
+        self._last = self._sample() if self.available else None
+
+    def _sample(self) -> tuple[float, int, int]:
+        return time.monotonic(), _machine_busy_ticks(), _own_ticks()
+
+    def others_busy(self, now: tuple[float, int, int]) -> float:
+        """Cores the rest of the machine kept busy since the last sample."""
+        (t0, busy0, own0), (t1, busy1, own1) = self._last, now
+        return max(0.0, ((busy1 - busy0) - (own1 - own0)) / _CLOCK_TICKS / max(t1 - t0, 1e-6))
+
+    def threads_for(self, others: float) -> int:
+        return max(1, min(self.cores, round(self.cores - others)))
+
+    def update(self) -> None:
+        if not self.available or time.monotonic() - self._last[0] < CHECK_INTERVAL_S:
+            return
+        now = self._sample()
+        threads = self.threads_for(self.others_busy(now))
+        self._last = now
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)

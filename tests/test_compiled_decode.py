@@ -1,0 +1,52 @@
+"""One compiled bucket on one tiny model: compiled in the background, then used, still equal to HF."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedchat import SamplingParams
+from pagedchat.engine import lean_model
+from test_engine import hf_greedy, make_llm, random_prompts
+
+
+@pytest.fixture(autouse=True)
+def compiling(tmp_path, monkeypatch):
+    """fp32 (the dtype of exact equality) with torch's own matmuls, the case where the engine compiles."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(lean_model, "linear_for", lambda dtype, device: F.linear)
+
+
+def test_compiled_decode_matches_hf_and_serves_one_chat(tiny_model):
+    llm = make_llm(tiny_model, compile=True)
+    compiled = llm.engine.runner.compiled
+    assert compiled.wait(timeout=900), compiled.error
+    calls = []
+    fn = compiled.fn
+    compiled.fn = lambda *args: calls.append(1) or fn(*args)
+    prompt = random_prompts(seed=11, lengths=[21])[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24))[0]
+    assert out.token_ids == hf_greedy(tiny_model, prompt, 24, min_new_tokens=24)
+    assert len(calls) == 23  # every step after the prompt's
+    scratch = llm.engine.runner.kv_caches[0][0][compiled.scratch_block]
+    assert torch.count_nonzero(scratch) > 0  # the warm-up wrote where the pool never reads
+
+
+def test_no_compile_where_eager_multiplies_faster(tiny_model, monkeypatch):
+    monkeypatch.undo()  # fp32 on oneDNN: the eager step is the faster one
+    assert make_llm(tiny_model, compile=True).engine.runner.compiled is None
+
+
+def test_a_chat_goes_compiled_when_its_batch_mate_finishes(tiny_model):
+    """Two chats decode eagerly as a batch; once the shorter one ends, the other goes on compiled."""
+    llm = make_llm(tiny_model, compile=True)
+    compiled = llm.engine.runner.compiled
+    assert compiled.wait(timeout=900), compiled.error
+    calls = []
+    fn = compiled.fn
+    compiled.fn = lambda *args: calls.append(1) or fn(*args)
+    prompts = random_prompts(seed=12, lengths=[9, 30])
+    lengths = [6, 20]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n) for n in lengths])
+    for prompt, n, out in zip(prompts, lengths, outs):
+        assert out.token_ids == hf_greedy(tiny_model, prompt, n, min_new_tokens=n)
+    assert len(calls) == 20 - 6
