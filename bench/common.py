@@ -272,6 +272,8 @@ def model_config(model: str | None):
 def load_llm(model: str | None, dtype: str, **engine_args):
     from pagedchat import LLM
 
+    # the suite's --threads holds: the engine's own policy (threads = free cores) is measured in bench.peer_bench
+    engine_args.setdefault("num_threads", torch.get_num_threads())
     return LLM(model=model, dtype=dtype, device="cpu", **engine_args)
 
 

@@ -5,7 +5,7 @@ requests, and a profile of the engine's own code.
 
 Requests are prefilled first; then every measured step is a pure decode step of all of them. Each
 step is followed by `kv_snapshot()`, as the app's engine thread does. Times are split into: the model
-call (the stock transformers forward, our attention inside), batch preparation (the rest of
+call (the lean forward, `LeanModel.forward`, eager: the step is built with compiling off), batch preparation (the rest of
 `runner.forward`: building input tensors), the rest of `step()` (scheduling, KV bookkeeping,
 sampling, detokenising, outputs) and the snapshot.
 """
@@ -29,7 +29,7 @@ def decode_steps(llm, running: int, steps: int, prompt: int, profile: cProfile.P
                                                                       ignore_eos=True))
     while any(item.num_uncomputed > 1 for item in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill (the first decode step may come along; it is not measured)
-    model = engine.runner.model
+    model = engine.runner.lean
     runner_forward, model_forward = Accumulator(engine.runner.forward), Accumulator(model.forward)
     engine.runner.forward, model.forward = runner_forward, model_forward
     step_time = snapshot_time = 0.0
@@ -74,7 +74,7 @@ def own_code_profile(profile: cProfile.Profile, top: int = 8) -> tuple[Table, fl
 
 def step_overhead_section(model: str | None, dtype: str, running=(1, 32), steps: int = 10, prompt: int = 128) -> Section:
     with stopwatch() as t:
-        llm = load_llm(model, dtype)
+        llm = load_llm(model, dtype, compile=False)
         decode_steps(llm, 1, 2, 16)  # warm-up: first calls allocate
         profile = cProfile.Profile()
         results = [decode_steps(llm, n, steps, prompt, profile if n == max(running) else None) for n in running]

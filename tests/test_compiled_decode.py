@@ -17,7 +17,7 @@ def compiling(tmp_path, monkeypatch):
 
 
 def test_compiled_decode_matches_hf_and_serves_one_chat(tiny_model):
-    llm = make_llm(tiny_model, compile=True)
+    llm = make_llm(tiny_model, compile=True, num_threads=torch.get_num_threads())
     compiled = llm.engine.runner.compiled
     assert compiled.wait(timeout=900), compiled.error
     calls = []
@@ -38,7 +38,7 @@ def test_no_compile_where_eager_multiplies_faster(tiny_model, monkeypatch):
 
 def test_a_chat_goes_compiled_when_its_batch_mate_finishes(tiny_model):
     """Two chats decode eagerly as a batch; once the shorter one ends, the other goes on compiled."""
-    llm = make_llm(tiny_model, compile=True)
+    llm = make_llm(tiny_model, compile=True, num_threads=torch.get_num_threads())
     compiled = llm.engine.runner.compiled
     assert compiled.wait(timeout=900), compiled.error
     calls = []
@@ -50,3 +50,21 @@ def test_a_chat_goes_compiled_when_its_batch_mate_finishes(tiny_model):
     for prompt, n, out in zip(prompts, lengths, outs):
         assert out.token_ids == hf_greedy(tiny_model, prompt, n, min_new_tokens=n)
     assert len(calls) == 20 - 6
+
+
+def test_a_new_thread_count_is_compiled_in_the_background(tiny_model):
+    """The compiled step is keyed on torch's thread count: at a new count the engine serves eagerly while
+    the step compiles for it, then takes it."""
+    before = torch.get_num_threads()
+    try:
+        llm = make_llm(tiny_model, compile=True, num_threads=1)
+        compiled = llm.engine.runner.compiled
+        assert compiled.wait(timeout=900), compiled.error
+        torch.set_num_threads(2)  # as the thread policy would
+        assert not compiled.ready()
+        prompt = random_prompts(seed=13, lengths=[17])[0]
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12))[0]
+        assert out.token_ids == hf_greedy(tiny_model, prompt, 12, min_new_tokens=12)
+        assert compiled.wait(timeout=900) and compiled.ready_threads == {1, 2}
+    finally:
+        torch.set_num_threads(before)

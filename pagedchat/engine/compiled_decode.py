@@ -10,6 +10,9 @@ caches live in the user cache folder, so a second start finds the compiled code 
 background). Anything that fails while compiling (no C++ compiler, say) is logged, and the eager
 forward goes on serving.
 
+torch.compile keys its code on torch's thread count, which the thread policy (threads.py) may change:
+the step is compiled again, in the background, for each count the engine comes to run at.
+
 Only a batch of one sequence is compiled: a batch of several runs its matmuls at several rows, where
 they dominate and compiling gains little.
 """
@@ -37,21 +40,40 @@ def compile_cache_dir() -> Path:
 
 
 class CompiledDecode:
-    """The lean model's decode step for one sequence, compiled by a background thread."""
+    """The lean model's decode step for one sequence, compiled by a background thread.
+
+    torch.compile keys what it compiled on torch's thread count, which the thread policy changes: the
+    step is compiled for each count the engine runs at, in the background, when the engine first runs at
+    it, and used at the counts it is ready for."""
 
     def __init__(self, lean: LeanModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scratch_block: int):
         self.lean = lean
         self.kv_caches = kv_caches
         self.scratch_block = scratch_block
-        self.fn = None  # the compiled step, once ready
+        # the compiled loops run on one thread: their work is small, and the thread count baked into them
+        # would not follow the thread policy (threads.py) as the matmuls they call do
+        self.fn = torch.compile(lean.decode, dynamic=True, fullgraph=True, options={"cpp.threads": 1})
+        self.ready_threads: set[int] = set()
         self.error: str | None = None
-        self._done = threading.Event()
-        threading.Thread(target=self._compile, name="pagedchat-compile", daemon=True).start()
+        self._thread: threading.Thread | None = None
+        self.prepare()
+
+    def ready(self) -> bool:
+        return torch.get_num_threads() in self.ready_threads
+
+    def prepare(self) -> None:
+        """Compile for the current thread count in the background, unless ready, under way or failed."""
+        if self.error is None and not self.ready() and not (self._thread and self._thread.is_alive()):
+            self._thread = threading.Thread(target=self._compile, args=(torch.get_num_threads(),),
+                                            name="pagedchat-compile", daemon=True)
+            self._thread.start()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Whether the compiled step is ready, after waiting up to `timeout` seconds for the compile."""
-        self._done.wait(timeout)
-        return self.fn is not None
+        """Whether the step is ready at the current thread count, after waiting up to `timeout` seconds for
+        the compile under way."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.ready()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -62,10 +84,9 @@ class CompiledDecode:
         shape of its own to compile), padding read from the scratch block and masked."""
         return table + [self.scratch_block] * (2 - len(table))
 
-    def _compile(self) -> None:
+    def _compile(self, threads: int) -> None:
         try:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
-            fn = torch.compile(self.lean.decode, dynamic=True, fullgraph=True)
             block_size = self.kv_caches[0][0].shape[1]
             device = self.lean.embed.device
 
@@ -73,11 +94,10 @@ class CompiledDecode:
                 return torch.tensor(values, dtype=torch.long, device=device)
 
             with torch.inference_mode():  # token 0 at position 0, written to the scratch block's first slot
-                fn(tensor([0]), tensor([0]), tensor([self.scratch_block * block_size]),
-                   tensor([self.pad_table([self.scratch_block])]), tensor([1]), self.kv_caches)
-            self.fn = fn
+                self(tensor([0]), tensor([0]), tensor([self.scratch_block * block_size]),
+                     tensor([self.pad_table([self.scratch_block])]), tensor([1]))
+            if torch.get_num_threads() == threads:  # else the policy moved while compiling: compiled for another
+                self.ready_threads.add(threads)
         except Exception as exc:  # noqa: BLE001 - whatever inductor raises, the eager forward serves on
             log.warning("compiling the decode step failed; staying eager", exc_info=True)
             self.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            self._done.set()

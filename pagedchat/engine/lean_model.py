@@ -19,6 +19,7 @@ from torch import nn
 from pagedchat.engine.cpu_linear import Linear, linear_for
 from pagedchat.kernels import AttentionMetadata, torch_ops
 
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
@@ -46,6 +47,9 @@ class LeanModel:
         if type(model).__name__ not in LEAN_ARCHITECTURES or config.hidden_act != "silu":
             raise ValueError(f"no lean forward for {type(model).__name__} with {config.hidden_act}")
         base = model.model
+        if getattr(base.rotary_emb, "rope_type", "default") in LENGTH_DEPENDENT_ROPE:
+            raise ValueError(f"rope scaling {base.rotary_emb.rope_type!r} depends on the sequence's length, "
+                             "which a rotary table made once cannot follow")
         attn = base.layers[0].self_attn
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads

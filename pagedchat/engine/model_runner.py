@@ -64,8 +64,10 @@ class ModelRunner:
     def forward(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Compute the scheduled tokens' KV; return logits [num sampling seqs, vocab] in batch order."""
         bs = self.block_size
-        if len(batch) == 1 and batch[0].num_tokens == 1 and batch[0].samples and self.compiled and self.compiled.fn:
-            return self._decode_compiled(batch[0].seq)
+        if len(batch) == 1 and batch[0].num_tokens == 1 and batch[0].samples and self.compiled is not None:
+            if self.compiled.ready():
+                return self._decode_compiled(batch[0].seq)
+            self.compiled.prepare()
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

@@ -1,0 +1,70 @@
+"""The thread policy: torch computes with the cores that other processes leave free."""
+
+import subprocess
+import sys
+import time
+
+import torch
+
+from pagedchat.engine import threads
+from pagedchat.engine.threads import ThreadPolicy
+
+
+def test_threads_are_the_free_cores(monkeypatch):
+    policy = ThreadPolicy(cores=4)
+    assert [policy.threads_for(others) for others in (0.0, 0.4, 0.6, 1.0, 2.2, 3.9, 8.0)] == [4, 4, 3, 3, 2, 1, 1]
+
+
+def test_update_follows_what_others_used(monkeypatch):
+    """Fake /proc readings: 2 cores; others busy 1 core-second per second, then none."""
+    clock = {"t": 100.0, "busy": 0, "own": 0}
+    monkeypatch.setattr(threads.time, "monotonic", lambda: clock["t"])
+    monkeypatch.setattr(threads, "_machine_busy_ticks", lambda: clock["busy"])
+    monkeypatch.setattr(threads, "_own_ticks", lambda: clock["own"])
+    before = torch.get_num_threads()
+    try:
+        policy = ThreadPolicy(cores=2)
+        policy.available = True
+        policy._last = policy._sample()
+
+        def second(others: float, own: float) -> int:
+            clock["t"] += 1.0
+            clock["own"] += int(own * threads._CLOCK_TICKS)
+            clock["busy"] += int((others + own) * threads._CLOCK_TICKS)
+            policy.update()
+            return torch.get_num_threads()
+
+        assert second(others=1.0, own=1.0) == 1
+        assert second(others=0.0, own=1.0) == 2
+        clock["t"] += 0.5  # within the interval: nothing re-read
+        clock["busy"] += 10 * threads._CLOCK_TICKS
+        policy.update()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_real_busy_neighbour_is_seen():
+    """Read from /proc: a process spinning beside us counts as about one busy core."""
+    policy = ThreadPolicy()
+    neighbour = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 5\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(1.5)
+        policy._last = policy._sample()
+        time.sleep(1.0)
+        assert 0.5 <= policy.others_busy(policy._sample()) <= policy.cores + 0.5
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+
+
+def test_the_engine_follows_the_policy_unless_given_a_count(tiny_model):
+    from test_engine import make_llm
+
+    before = torch.get_num_threads()
+    try:
+        assert isinstance(make_llm(tiny_model).engine.threads, ThreadPolicy)
+        fixed = make_llm(tiny_model, num_threads=1).engine
+        assert fixed.threads is None and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
