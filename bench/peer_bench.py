@@ -249,6 +249,8 @@ def section(args, runs: dict, policy: list, seconds: float) -> Section:
     errors = [f"{peer} ({dtype}, {threads} threads): {r['error']}" for (dtype, threads), result in runs.items()
               for peer, r in result.items() if "error" in r]
     sec.notes += [f"not measured: {e}" for e in errors]
+    sec.notes.append("the sections after this one come from `python -m bench.run` and were measured when their "
+                     "dates say, some before this section's engine")
     sec.seconds = seconds
     return sec
 
