@@ -7,7 +7,7 @@
 Every engine runs as its own process, one after another for each setting (so none competes with
 another for the cores): pagedchat (`LLM`, its background compile finished first, as on a second start),
 llama.cpp's `llama-server` on a GGUF of the same precision (BF16 holds exactly pagedchat's bf16 weights),
-and vLLM CPU. The workloads (bench/peer_timing.py): one chat (a 37-token chat prompt, 128 new tokens),
+and vLLM CPU. The workloads (bench/peer_timing.py): one chat (a 43-token chat prompt, 128 new tokens),
 16 chats x 64 new tokens at once, and bench/throughput.py's chat mix (12 requests). Then pagedchat's
 thread policy against fixed thread counts, quiet and beside a busy neighbour process.
 """
@@ -214,7 +214,7 @@ def section(args, runs: dict, policy: list, seconds: float) -> Section:
         f"(one slot per chat); {peers.VLLM_CPU}; each in its own process, one after another",
         f"same token ids for all; greedy, EOS ignored; KV budget {KV_TOKENS} tokens for pagedchat and llama.cpp "
         "(vLLM: VLLM_CPU_KVCACHE_SPACE=1 GiB); pagedchat's decode compile finished before timing",
-        "one chat: a 37-token chat prompt, 128 new tokens; decode tok/s = 127 / (time beyond the first token); "
+        "one chat: a 43-token chat prompt, 128 new tokens; decode tok/s = 127 / (time beyond the first token); "
         "TTFT = a one-token generation, best of 3",
     ]
     headers = ["dtype", "threads", "workload", "pagedchat", "llama.cpp", "vLLM CPU", "/ vLLM", "/ llama.cpp", "goal"]

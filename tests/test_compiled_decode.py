@@ -16,18 +16,24 @@ def compiling(tmp_path, monkeypatch):
     monkeypatch.setattr(lean_model, "linear_for", lambda dtype, device: F.linear)
 
 
-def test_compiled_decode_matches_hf_and_serves_one_chat(tiny_model):
-    llm = make_llm(tiny_model, compile=True, num_threads=torch.get_num_threads())
+def compiled_llm(path) -> tuple:
+    """An LLM whose compiled step is ready, and the list its calls append to."""
+    llm = make_llm(path, compile=True, num_threads=torch.get_num_threads())
     compiled = llm.engine.runner.compiled
     assert compiled.wait(timeout=900), compiled.error
     calls = []
     fn = compiled.fn
     compiled.fn = lambda *args: calls.append(1) or fn(*args)
+    return llm, calls
+
+
+def test_compiled_decode_matches_hf_and_serves_one_chat(tiny_model):
+    llm, calls = compiled_llm(tiny_model)
     prompt = random_prompts(seed=11, lengths=[21])[0]
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24))[0]
     assert out.token_ids == hf_greedy(tiny_model, prompt, 24, min_new_tokens=24)
     assert len(calls) == 23  # every step after the prompt's
-    scratch = llm.engine.runner.kv_caches[0][0][compiled.scratch_block]
+    scratch = llm.engine.runner.kv_caches[0][0][llm.engine.runner.compiled.scratch_block]
     assert torch.count_nonzero(scratch) > 0  # the warm-up wrote where the pool never reads
 
 
@@ -38,12 +44,7 @@ def test_no_compile_where_eager_multiplies_faster(tiny_model, monkeypatch):
 
 def test_a_chat_goes_compiled_when_its_batch_mate_finishes(tiny_model):
     """Two chats decode eagerly as a batch; once the shorter one ends, the other goes on compiled."""
-    llm = make_llm(tiny_model, compile=True, num_threads=torch.get_num_threads())
-    compiled = llm.engine.runner.compiled
-    assert compiled.wait(timeout=900), compiled.error
-    calls = []
-    fn = compiled.fn
-    compiled.fn = lambda *args: calls.append(1) or fn(*args)
+    llm, calls = compiled_llm(tiny_model)
     prompts = random_prompts(seed=12, lengths=[9, 30])
     lengths = [6, 20]
     outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n) for n in lengths])
