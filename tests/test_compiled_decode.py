@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedchat import SamplingParams
-from pagedchat.engine import lean_model
+from pagedchat.engine import compiled_decode, lean_model
 from test_engine import hf_greedy, make_llm, random_prompts
 
 
@@ -69,3 +69,20 @@ def test_a_new_thread_count_is_compiled_in_the_background(tiny_model):
         assert compiled.wait(timeout=900) and compiled.ready_threads == {1, 2}
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_failing_compile_is_tried_three_times_and_the_engine_serves_eagerly(tiny_model, monkeypatch):
+    def without_a_compiler(fn, **options):
+        def compiled(*args):
+            raise RuntimeError("no C++ compiler")
+        return compiled
+
+    monkeypatch.setattr(compiled_decode.torch, "compile", without_a_compiler)
+    llm = make_llm(tiny_model, compile=True, num_threads=torch.get_num_threads())
+    compiled = llm.engine.runner.compiled
+    prompt = random_prompts(seed=14, lengths=[10])[0]
+    for _ in range(2):  # the second run finds the compile given up: no more tries
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24))[0]
+        assert out.token_ids == hf_greedy(tiny_model, prompt, 24, min_new_tokens=24)
+        assert not compiled.wait(timeout=60)
+    assert compiled.failures == compiled_decode.MAX_TRIES and "no C++ compiler" in compiled.error

@@ -8,7 +8,7 @@ a thread compiles on a warm-up input that writes only to a scratch block of the 
 more than the pool hands out), and the runner uses the compiled step once it is ready. Inductor's
 caches live in the user cache folder, so a second start finds the compiled code (~10 s, still in the
 background). Anything that fails while compiling (no C++ compiler, say) is logged, and the eager
-forward goes on serving.
+forward goes on serving (a compile that failed is tried again at a later step, three times in all).
 
 torch.compile keys its code on torch's thread count, which the thread policy (threads.py) may change:
 the step is compiled again, in the background, for each count the engine comes to run at.
@@ -28,6 +28,7 @@ from pagedchat.engine.lean_model import LeanModel
 
 log = logging.getLogger(__name__)
 
+MAX_TRIES = 3
 COMPILE_ENV = "PAGEDCHAT_COMPILE"  # "0": LLM and the app do not compile unless asked to
 
 
@@ -54,7 +55,8 @@ class CompiledDecode:
         # would not follow the thread policy (threads.py) as the matmuls they call do
         self.fn = torch.compile(lean.decode, dynamic=True, fullgraph=True, options={"cpp.threads": 1})
         self.ready_threads: set[int] = set()
-        self.error: str | None = None
+        self.error: str | None = None  # why compiling gave up
+        self.failures = 0
         self._thread: threading.Thread | None = None
         self.prepare()
 
@@ -99,5 +101,9 @@ class CompiledDecode:
             if torch.get_num_threads() == threads:  # else the policy moved while compiling: compiled for another
                 self.ready_threads.add(threads)
         except Exception as exc:  # noqa: BLE001 - whatever inductor raises, the eager forward serves on
-            log.warning("compiling the decode step failed; staying eager", exc_info=True)
-            self.error = f"{type(exc).__name__}: {exc}"
+            # a passing cause (another thread changed torch's default dtype mid-trace, as loading a
+            # transformers model does) gets another try at a later step; a lasting one (no compiler) gives up
+            self.failures += 1
+            log.warning("compiling the decode step failed (try %d of %d)", self.failures, MAX_TRIES, exc_info=True)
+            if self.failures == MAX_TRIES:
+                self.error = f"{type(exc).__name__}: {exc}"
