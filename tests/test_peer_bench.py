@@ -1,0 +1,40 @@
+"""The peer benchmark's timing and report plumbing (the peers themselves are built by bench.peers)."""
+
+from bench import peer_bench, peer_timing
+
+
+def fake_engine(monkeypatch, setup_s: float, per_token_s: float):
+    """A generate() that takes setup + per-token time on a fake clock, and the calls it saw."""
+    clock, calls = [0.0], []
+    monkeypatch.setattr(peer_timing.time, "perf_counter", lambda: clock[0])
+
+    def generate(prompts, new_tokens):
+        calls.append((len(prompts), list(new_tokens)))
+        clock[0] += setup_s + per_token_s * max(new_tokens)
+        return list(new_tokens)
+
+    return generate, calls
+
+
+def test_one_chat_splits_first_token_from_decode(monkeypatch):
+    generate, calls = fake_engine(monkeypatch, setup_s=0.1, per_token_s=0.01)
+    result = peer_timing.one_chat(generate, [1, 2, 3], 128, rounds=2)
+    assert abs(result["ttft_ms"] - 110) < 1e-6
+    assert abs(result["tok_s"] - 127 / (1.38 - 0.11)) < 1e-6
+    assert calls == [(1, [1])] * 3 + [(1, [128])] * 2
+
+
+def test_many_chats_count_every_generated_token(monkeypatch):
+    generate, _ = fake_engine(monkeypatch, setup_s=0.5, per_token_s=0.01)
+    result = peer_timing.many_chats(generate, [[1]] * 4, [10, 20, 30, 40], rounds=1)
+    assert abs(result["tok_s"] - 100 / 0.9) < 1e-6
+
+
+def test_the_section_replaces_its_own_place_in_results(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# suite\n\nold tables\n")
+    peer_bench.write_into_results("## Peers\nfirst", results)
+    peer_bench.write_into_results("## Peers\nsecond", results)
+    text = results.read_text()
+    assert text.count(peer_bench.MARK_BEGIN) == 1 and "second" in text and "first" not in text
+    assert text.endswith("# suite\n\nold tables\n")
