@@ -37,7 +37,3 @@ class AttentionMetadata:
         return cls(tensor(slot_mapping, torch.long), tensor(padded), tensor(seq_lens),
                    tensor([0, *accumulate(query_lens)]), list(seq_lens), list(query_lens),
                    [list(t) for t in block_tables])
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.slot_mapping)

@@ -37,13 +37,17 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     value_cache.view(-1, *value_cache.shape[2:])[slots] = value[keep].to(value_cache.dtype)
 
 
+def _store_every_slot(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """`store_kv` for the engine's steps, where every token has its slot: one copy per cache, no mask."""
+    flat = (-1, *key_cache.shape[2:])
+    key_cache.view(flat).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(flat).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
               value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
     """One layer's attention for a step: store the new K/V [T, Hkv, D], then attend query [T, Hq, D]."""
-    # index_copy_ with every slot valid: the runner never schedules a token without its slot
-    flat = (-1, *key_cache.shape[2:])
-    key_cache.view(flat).index_copy_(0, metadata.slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(flat).index_copy_(0, metadata.slot_mapping, value.to(value_cache.dtype))
+    _store_every_slot(key, value, key_cache, value_cache, metadata.slot_mapping)
     if metadata.plan is None:
         metadata.plan = _make_plan(metadata.block_tables_host, metadata.seq_lens_host, metadata.query_lens_host,
                                    key_cache.shape[1], query.shape[1] // key_cache.shape[2], key.device,
@@ -263,9 +267,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """
     num_seqs, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    flat = (-1, num_kv_heads, head_dim)
-    key_cache.view(flat).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(flat).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    _store_every_slot(key, value, key_cache, value_cache, slot_mapping)
     length = block_tables.shape[1] * key_cache.shape[1]
     valid = torch.arange(length, device=query.device) < seq_lens[:, None]  # [S, L]
     keys = key_cache[block_tables].view(num_seqs, length, num_kv_heads, head_dim).float()

@@ -11,7 +11,7 @@ Measured on the 2-core AVX2 machines, the default model's 30 layers at 1 / 2 / 1
   accumulator.
 - bf16 with bf16 instructions (avx512_bf16, AMX): torch's own product, which calls oneDNN itself.
 The copies double the weights' memory of a model that uses them (an fp32 model, or a bf16 one that ever
-runs a batch on a CPU without bf16): the price of 1.4-4x faster matmuls.
+runs a batch on a CPU without bf16): the price of 1.3-4x faster matmuls.
 """
 
 import functools

@@ -86,20 +86,16 @@ class ModelRunner:
             [item.seq.num_computed_tokens + item.num_tokens for item in batch],
             [item.num_tokens for item in batch], slots, self.device,
         )
-
-        def tensor(values):
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
-        return self.lean.forward(tensor(input_ids), tensor(positions), tensor(sample_rows), self.kv_caches,
-                                 metadata, self.attention_ops)
+        return self.lean.forward(self._long(input_ids), self._long(positions), self._long(sample_rows),
+                                 self.kv_caches, metadata, self.attention_ops)
 
     def _decode_compiled(self, seq) -> torch.Tensor:
         position = seq.num_computed_tokens
         num_blocks = position // self.block_size + 1
         slot = seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+        return self.compiled(self._long([seq.token_ids[position]]), self._long([position]), self._long([slot]),
+                             self._long([self.compiled.pad_table(seq.block_table[:num_blocks])]),
+                             self._long([position + 1]))
 
-        def tensor(values):
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
-        return self.compiled(tensor([seq.token_ids[position]]), tensor([position]), tensor([slot]),
-                             tensor([self.compiled.pad_table(seq.block_table[:num_blocks])]), tensor([position + 1]))
+    def _long(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
