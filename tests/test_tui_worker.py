@@ -35,7 +35,7 @@ class ScriptedEngine:
     def abort_request(self, request_id):
         self.remaining[request_id] = 0
 
-    def release_request(self, request_id):
+    def close_request(self, request_id):
         self.remaining.pop(request_id, None)
 
     def has_unfinished_requests(self):
@@ -128,7 +128,7 @@ def test_a_reply_in_progress_is_polled_and_only_its_end_is_posted():
         wait_for(lambda: engine.steps == step)
         wait_for(lambda: worker.progress("a") is not None and worker.progress("closed") is not None)
         assert worker.progress("a").outputs[0].finish_reason is None and sink.messages == []
-    worker.release("closed")  # a tab closed while its reply ran: nothing of it stays behind
+    worker.close("closed")  # a tab closed while its reply ran: nothing of it stays behind
     wait_for(lambda: worker.progress("closed") is None)
     worker.set_paused(False)
     wait_for(sink.finished)
@@ -201,7 +201,7 @@ def test_released_requests_post_nothing_more():
     worker.set_paused(True)
     sink = Sink()
     worker.add("a", [1], PARAMS, sink)
-    worker.release("a")
+    worker.close("a")
     worker.set_paused(False)
     time.sleep(0.1)
     assert sink.messages == [] and engine.steps == 0

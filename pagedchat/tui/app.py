@@ -1,6 +1,7 @@
 """The app: chat tabs on the left, the KV panel on the right, one engine thread behind them."""
 
 import asyncio
+import copy
 import gc
 import logging
 import signal
@@ -95,7 +96,7 @@ class PagedChatApp(App):
         self._load_llm = load_llm
         self._model_name = model_name
         self._params = params  # sampling of new tabs
-        self._tokenizer = None
+        self.tokenizer = None  # the UI thread's own: fast tokenizers are not thread-safe
         self._max_len: int | None = None
         self._panes: dict[str, ChatPane] = {}
         self._tabs_opened = 0
@@ -149,9 +150,10 @@ class PagedChatApp(App):
         # Textual's garbage soon triggers a full collection, which walks them all (~220 ms here) in
         # whichever thread it hits, the engine's included: freeze them out of every collection (after
         # one last collection, so that the loading's own garbage is not frozen with them).
+        # The engine thread decodes with the engine's tokenizer; the UI encodes with a copy of its own.
+        self.tokenizer = await asyncio.to_thread(copy.deepcopy, llm.get_tokenizer())
         gc.collect()
         gc.freeze()
-        self._tokenizer = llm.get_tokenizer()
         engine = llm.engine
         self._max_len = engine.config.max_model_len
         self.worker = EngineWorker(engine, on_command=self._wake)
@@ -193,7 +195,7 @@ class PagedChatApp(App):
             if restore:
                 conversation, _ = self._new_conversation(chat.system_prompt, self._params_of(chat.settings))
                 # The replies' own tokens were not saved: the restored turn re-tokenizes their text.
-                conversation.restore([Turn(m["role"], m["content"], tuple(self._tokenizer.encode(
+                conversation.restore([Turn(m["role"], m["content"], tuple(self.tokenizer.encode(
                     m["content"], add_special_tokens=False)) if m["role"] == "assistant" else ())
                     for m in chat.messages])
                 await self._open(conversation, chat.title)
@@ -240,7 +242,7 @@ class PagedChatApp(App):
                           params: SamplingParams | None = None) -> tuple[Conversation, str]:
         self._tabs_opened += 1
         key = f"chat-{self._tabs_opened}"
-        conversation = Conversation(lambda system: ChatSession(self._tokenizer, system), key,
+        conversation = Conversation(lambda system: ChatSession(self.tokenizer, system), key,
                                     system_prompt, params or self._params)
         return conversation, f"chat {self._tabs_opened}"
 
@@ -432,7 +434,7 @@ class PagedChatApp(App):
         return SessionTag(pane.title, pane.colour) if pane else SessionTag.fallback(request_id)
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids)
+        return self.tokenizer.decode(token_ids)
 
     def _update_labels(self) -> None:
         infos = {info.request_id: info for info in self._snapshot.requests} if self._snapshot else {}

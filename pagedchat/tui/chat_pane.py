@@ -117,7 +117,7 @@ class ChatPane(TabPane):
             self.notify("There is no reply to regenerate.", severity="warning")
             return
         old, send = self.conversation.regenerate()
-        self._release(old)
+        self._close_request(old)
         if self.record:
             self.record.drop(1)
         replies = self._transcript.query(ChatMessage).filter(".-assistant")
@@ -150,13 +150,13 @@ class ChatPane(TabPane):
                 self.notify("The system prompt changes after this reply: stop it or wait.", severity="warning")
             else:
                 # The system prompt is the first thing the model read: the next turn resends everything.
-                self._release(self.conversation.set_system_prompt(settings.system_prompt))
+                self._close_request(self.conversation.set_system_prompt(settings.system_prompt))
         if self.record:
             self.record.settings(self.conversation)
 
     def close(self) -> None:
         """The tab is closing: the blocks only this conversation held go back to the pool."""
-        self._release(self.conversation.request_id)
+        self._close_request(self.conversation.request_id)
         if self.record:
             self.record.close()
 
@@ -235,7 +235,7 @@ class ChatPane(TabPane):
         self._end_reply()
         if not self._text and reply is not None:
             await reply.remove()
-        self._release(self.conversation.fail_turn())
+        self._close_request(self.conversation.fail_turn())
         if self.record:
             self.record.drop(2)  # the message and its reply
         await self._transcript.mount(ChatMessage("error", f"**Error:** {error}"))
@@ -255,9 +255,9 @@ class ChatPane(TabPane):
             event.stop()
             await self.run_action("app.new_chat")
 
-    def _release(self, request_id: str | None) -> None:
+    def _close_request(self, request_id: str | None) -> None:
         if request_id is not None and self.worker is not None:
-            self.worker.release(request_id)
+            self.worker.close(request_id)
 
     @property
     def _transcript(self) -> VerticalScroll:

@@ -3,7 +3,7 @@
 A conversation stays resident in the engine between turns: the first turn adds a request with
 `keep=True` and sends the whole prompt; later turns send only the new message's tokens with
 `continue_request`. Anything that changes tokens already sent (regenerating the last reply, a new
-system prompt, a failed turn) rebuilds the session by replaying the turns, drops the engine request,
+system prompt, a failed turn) rebuilds the session by replaying the turns, closes the engine request,
 and the next turn starts a new request with the whole sequence, which the prefix cache mostly serves.
 """
 
@@ -95,7 +95,7 @@ class Conversation:
         self.turns.append(Turn("assistant", text, tuple(token_ids)))
 
     def regenerate(self) -> tuple[str | None, Send]:
-        """Drop the last reply and resend the turns before it: (request to release, what to send)."""
+        """Drop the last reply and resend the turns before it: (request to close, what to send)."""
         if self.last_reply is None:
             raise ValueError("there is no reply to regenerate")
         old = self._drop(self.turns[:-1])
@@ -104,12 +104,12 @@ class Conversation:
         return old, Send(self.request_id, list(self._session.token_ids), new_request=True)
 
     def fail_turn(self) -> str | None:
-        """The last user message failed: forget it. Returns the request to release."""
+        """The last user message failed: forget it. Returns the request to close."""
         keep = self.turns[:-1] if self.turns and self.turns[-1].role == "user" else self.turns
         return self._drop(keep)
 
     def set_system_prompt(self, prompt: str | None) -> str | None:
-        """A new system prompt changes the first tokens: returns the request to release, if any."""
+        """A new system prompt changes the first tokens: returns the request to close, if any."""
         self.system_prompt = prompt
         return self._drop(self.turns)
 

@@ -11,6 +11,7 @@ that widget: posting to the widget (not the App) is safe at shutdown, and it nev
 thread the way `call_from_thread` would.
 """
 
+import contextlib
 import logging
 import sys
 import threading
@@ -144,13 +145,15 @@ class EngineWorker:
         keeps the conversation parked with what it generated."""
         self._submit(request_id, lambda: self._engine.abort_request(request_id))
 
-    def release(self, request_id: str) -> None:
-        """Close the conversation: its blocks go back to the pool (into the prefix cache)."""
+    def close(self, request_id: str) -> None:
+        """End the conversation for good: the engine frees its blocks (into the prefix cache) and
+        forgets its id."""
 
         def run() -> None:
             self._sinks.pop(request_id, None)
             self._progress.pop(request_id, None)
-            self._engine.release_request(request_id)
+            with contextlib.suppress(ValueError):  # a request whose add failed is unknown to the engine
+                self._engine.close_request(request_id)
 
         self._submit(request_id, run)
 
