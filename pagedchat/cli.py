@@ -7,9 +7,10 @@ a log file in the user's state directory, which the line names.
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
+
+import platformdirs
 
 from pagedchat import __version__
 from pagedchat.tui.themes import DEFAULT_THEME, load_themes
@@ -140,7 +141,7 @@ def open_history():
 
 
 def state_dir() -> Path:
-    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "pagedchat"
+    return platformdirs.user_state_path("pagedchat", appauthor=False)  # honours XDG_STATE_HOME
 
 
 def log_to_file() -> Path:

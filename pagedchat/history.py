@@ -5,12 +5,13 @@ reply in progress is rewritten every few tokens by the app.
 """
 
 import json
-import os
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import platformdirs
 
 SCHEMA_VERSION = 1
 SCHEMA = """
@@ -35,8 +36,7 @@ CREATE INDEX messages_by_chat ON messages(chat_id, id);
 
 
 def default_path() -> Path:
-    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
-    return base / "pagedchat" / "history.sqlite3"
+    return platformdirs.user_data_path("pagedchat", appauthor=False) / "history.sqlite3"  # honours XDG_DATA_HOME
 
 
 @dataclass(slots=True)

@@ -107,3 +107,11 @@ def test_an_unusable_history_is_refused_with_a_way_around(tiny_model, tmp_path, 
     assert cli.main(["--model", str(tiny_model)]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and "cannot open the chat history" in lines[0] and "--no-history" in lines[0]
+
+
+def test_the_log_goes_to_the_xdg_state_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    assert cli.state_dir() == tmp_path / "pagedchat"
+    monkeypatch.delenv("XDG_STATE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cli.state_dir() == tmp_path / "home" / ".local" / "state" / "pagedchat"

@@ -64,3 +64,10 @@ def test_newer_schema_is_refused(tmp_path):
     sqlite3.connect(path).execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     with pytest.raises(RuntimeError, match="newer"):
         History(path)
+
+
+def test_the_default_path_follows_xdg_data_home(tmp_path, monkeypatch):
+    from pagedchat.history import default_path
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    assert default_path() == tmp_path / "pagedchat" / "history.sqlite3"

@@ -22,6 +22,7 @@ import os
 import threading
 from pathlib import Path
 
+import platformdirs
 import torch
 
 from pagedchat.engine.lean_model import LeanModel
@@ -37,7 +38,7 @@ def compiling_by_default() -> bool:
 
 
 def compile_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedchat" / "inductor"
+    return platformdirs.user_cache_path("pagedchat", appauthor=False) / "inductor"  # honours XDG_CACHE_HOME
 
 
 class CompiledDecode:

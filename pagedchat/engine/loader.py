@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from unittest import mock
 
+import platformdirs
 import torch
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ def _find_default_model() -> Path | None:
 
 
 def model_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedchat" / "models"
+    return platformdirs.user_cache_path("pagedchat", appauthor=False) / "models"  # honours XDG_CACHE_HOME
 
 
 def _convert_gguf(gguf_file: Path, *, progress: bool) -> Path:
