@@ -1,7 +1,9 @@
 """Conversations saved as they happen, in SQLite, so that no finished message is ever lost.
 
-Every write commits at once (WAL journal): a `kill -KILL` loses nothing that was written, and a
-reply in progress is rewritten every few tokens by the app.
+Every write commits at once, in WAL mode with `synchronous=NORMAL`: a commit is in the write-ahead log
+when the call returns, so a `kill -KILL` loses nothing that was written, and no commit waits for an
+fsync (only an OS crash or a power cut can lose the last commits; the file stays whole). A reply in
+progress is rewritten every few tokens by the app, from its UI thread.
 """
 
 import json
@@ -56,7 +58,9 @@ class History:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        # journal_mode is kept in the file, synchronous is per connection: both are set at every open
         self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
         self._migrate()
 
     def _migrate(self) -> None:

@@ -66,6 +66,17 @@ def test_newer_schema_is_refused(tmp_path):
         History(path)
 
 
+def test_every_open_is_in_wal_mode_without_an_fsync_per_commit(tmp_path):
+    """WAL + synchronous=NORMAL: durable when the app is killed, and no fsync on the UI thread per write.
+    synchronous is per connection, so a store opened again on the same file must set it again."""
+    path = tmp_path / "h.sqlite3"
+    for _ in range(2):
+        store = History(path)
+        assert store._run("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert store._run("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+        store.close()
+
+
 def test_the_default_path_follows_xdg_data_home(tmp_path, monkeypatch):
     from pagedchat.history import default_path
 
