@@ -159,12 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     log_path = log_to_file()
     try:
         check_flags(args)
+        from pagedchat.engine.errors import one_line
         from pagedchat.engine.loader import ModelError
 
         try:
             llm_kwargs = check_model(args)
         except (ModelError, ValueError) as exc:
-            raise UsageError(str(exc).strip().splitlines()[0]) from exc
+            raise UsageError(one_line(exc)) from exc
         history = None if args.no_history else open_history()
     except UsageError as exc:
         print(f"pagedchat: error: {exc}", file=sys.stderr)

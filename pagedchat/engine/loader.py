@@ -27,6 +27,8 @@ from unittest import mock
 import platformdirs
 import torch
 
+from pagedchat.engine.errors import one_line
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -49,11 +51,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # Any one of these makes a folder's tokenizer loadable by AutoTokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0]
 
 
 # --- finding the model ------------------------------------------------------------------------------
@@ -155,7 +152,7 @@ def _write_converted(gguf_file: Path, out: Path, *, progress: bool) -> None:
             model_type = gguf_loading.load_gguf_checkpoint(str(gguf_file))["config"]["model_type"]
         except Exception as error:  # gguf reports a bad file as IndexError, ValueError, ...
             raise ModelError(f"{gguf_file} is not a readable GGUF file (truncated or corrupt?): "
-                             f"{_one_line(error)}") from error
+                             f"{one_line(error)}") from error
         _check_architecture(model_type, gguf_file)
         try:
             step("tokenizer")
@@ -173,7 +170,7 @@ def _write_converted(gguf_file: Path, out: Path, *, progress: bool) -> None:
             model.save_pretrained(out)
             tokenizer.save_pretrained(out)
         except Exception as error:  # an unexpected tokenizer or tensor layout, a full disk, ...
-            raise ModelError(f"could not convert {gguf_file}: {_one_line(error)}") from error
+            raise ModelError(f"could not convert {gguf_file}: {one_line(error)}") from error
         step(None)
     if progress:
         display.console.print(f"Converted in {time.monotonic() - started:.0f} s")
@@ -228,7 +225,7 @@ def check_model(path: Path, max_model_len: int | None = None) -> PretrainedConfi
     try:
         raw_config = json.loads(config_file.read_text())
     except (OSError, ValueError) as error:
-        raise ModelError(f"{config_file} is not valid JSON: {_one_line(error)}") from error
+        raise ModelError(f"{config_file} is not valid JSON: {one_line(error)}") from error
     _check_architecture(raw_config.get("model_type"), path)
     _check_weights(path)
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
@@ -239,7 +236,7 @@ def check_model(path: Path, max_model_len: int | None = None) -> PretrainedConfi
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as error:  # transformers raises ValueError, KeyError, TypeError... for a bad config
-        raise ModelError(f"{config_file} cannot be read: {_one_line(error)}") from error
+        raise ModelError(f"{config_file} cannot be read: {one_line(error)}") from error
     model_context_len(config, max_model_len)
     return config
 
@@ -262,7 +259,7 @@ def _check_weights(path: Path) -> None:
         try:
             shards = set(json.loads(index.read_text())["weight_map"].values())
         except (ValueError, KeyError, AttributeError) as error:
-            raise ModelError(f"{index} is not a valid safetensors index: {_one_line(error)}") from error
+            raise ModelError(f"{index} is not a valid safetensors index: {one_line(error)}") from error
         if missing := sorted(s for s in shards if not (path / s).is_file()):
             raise ModelError(f"{path} misses weight shard {missing[0]} named in {index.name}")
     for file in files:
@@ -281,7 +278,7 @@ def _check_safetensors(file: Path) -> None:
             header = json.loads(f.read(header_len))
         data_len = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
     except (struct.error, ValueError, KeyError, TypeError, IndexError) as error:
-        raise ModelError(f"{file} is not a valid safetensors file: {_one_line(error)}") from error
+        raise ModelError(f"{file} is not a valid safetensors file: {one_line(error)}") from error
     if 8 + header_len + data_len > size:
         raise ModelError(f"{file} is truncated: {size} bytes, its header says "
                          f"{8 + header_len + data_len} (an interrupted download?)")
@@ -346,6 +343,6 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
             tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as error:  # a bad file shows up as OSError, SafetensorError, RuntimeError, ...
-        raise ModelError(f"could not load the model in {path}: {_one_line(error)}") from error
+        raise ModelError(f"could not load the model in {path}: {one_line(error)}") from error
     model.to(device).eval().requires_grad_(False)
     return model, tokenizer

@@ -20,6 +20,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, TabbedContent, Tabs
 
 from pagedchat.engine.chat import ChatSession
+from pagedchat.engine.errors import one_line
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.snapshot import KVSnapshot
 from pagedchat.history import History, SavedChat
@@ -143,7 +144,7 @@ class PagedChatApp(App):
             llm = await asyncio.to_thread(self._load_llm)
         except Exception as exc:
             log.exception("loading the model failed")
-            self.load_error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self.load_error = one_line(exc)
             self.exit(return_code=1)
             return
         # The model, torch and transformers leave ~450,000 objects that live as long as the app.

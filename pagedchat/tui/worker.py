@@ -22,6 +22,7 @@ from collections.abc import Callable
 from textual.message import Message
 from textual.message_pump import MessagePump
 
+from pagedchat.engine.errors import one_line
 from pagedchat.engine.outputs import RequestOutput
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.snapshot import KVSnapshot
@@ -215,14 +216,14 @@ class EngineWorker:
         except Exception as exc:  # a bad command fails its own request only
             log.exception("engine command for %s failed", request_id)
             if request_id is not None:
-                self._post(request_id, EngineError(request_id, _one_line(exc)))
+                self._post(request_id, EngineError(request_id, one_line(exc, with_type=True)))
 
     def _step(self) -> None:
         try:
             outputs = self._engine.step()
         except Exception as exc:
             log.exception("engine step failed")
-            self._fail_unfinished(_one_line(exc))
+            self._fail_unfinished(one_line(exc, with_type=True))
             outputs = []
         self._next_step_at = time.monotonic() + self._delay
         self.snapshot = self._engine.kv_snapshot()
@@ -248,8 +249,3 @@ class EngineWorker:
         sink = self._sinks.get(request_id)
         if sink is not None:
             sink.post_message(message)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
