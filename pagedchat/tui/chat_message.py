@@ -5,7 +5,6 @@ from functools import cache
 from markdown_it import MarkdownIt
 from textual.content import Content
 from textual.widgets import Markdown
-from textual.widgets._markdown import MarkdownParagraph
 
 from pagedchat.tui.sized_by_layout import SizedByLayout
 
@@ -26,12 +25,19 @@ def _parser() -> MarkdownIt:
     return MarkdownIt("gfm-like")
 
 
+# Textual's MarkdownParagraph, reached through the public block table: textual.widgets.markdown does not
+# export the class itself.
+MarkdownParagraph = Markdown.BLOCKS["paragraph_open"]
+
+
 class StreamedParagraph(SizedByLayout, MarkdownParagraph):
     """A paragraph that asks for a layout only when its wrapped height changes. A streamed reply
     rewrites its last paragraph with every token, and a layout of the screen costs several times
     a repaint (then the anchored transcript's scrollbar takes another frame)."""
 
     def set_content(self, content: Content) -> None:
+        # MarkdownBlock.set_content, with update(layout=False). `_content` is Textual's own (private):
+        # MarkdownParagraph copies it from the new block to the shown one when a streamed reply updates.
         self._content = content
         size = self.content_size
         self.update(content, layout=False)

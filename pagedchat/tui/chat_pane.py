@@ -66,10 +66,11 @@ class ChatPane(TabPane):
     def on_mount(self) -> None:
         self.query_one("#transcript").anchor()
 
-    def _on_descendant_focus(self, event: events.DescendantFocus) -> None:
+    def on_descendant_focus(self, event: events.DescendantFocus) -> None:
         # TabPane activates its tab when something inside it gets focus. This pane's queue can be
         # long with streamed tokens, so the focus may arrive after the user switched tabs: it must
-        # not switch back. Only the pane on show (the active one) may claim its tab.
+        # not switch back. Only the pane on show (the active one) may claim its tab. Handlers run
+        # from the subclass up, and prevent_default skips those of the base classes (TabPane's).
         if not self.display:
             event.prevent_default()
 

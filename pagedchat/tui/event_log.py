@@ -29,7 +29,9 @@ class EventLog(RichLog):
 
     # Each new line grows what the log scrolls over, and Widget's `virtual_size` asks for a layout
     # of the whole screen then (~15 ms here, most snapshots while replies stream). The log's own
-    # size is fixed (1fr): it updates its scrollbars itself instead.
+    # size is fixed (1fr): it updates its scrollbars itself instead. Textual has no public call for
+    # that: `_scroll_update` is private (Textual's OptionList calls it the same way, after setting
+    # its virtual size).
     virtual_size: Reactive[Size] = Reactive(Size(0, 0), layout=False)
 
     def watch_virtual_size(self, size: Size) -> None:
