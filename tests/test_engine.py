@@ -32,14 +32,18 @@ def make_llm(path, **kwargs) -> LLM:
     return LLM(model=path, **kwargs)
 
 
-def run_to_end(engine, check=True) -> dict[str, object]:
+def run_to_end(engine, check=True, max_steps: int = 5000) -> dict[str, object]:
     finished = {}
-    while engine.has_unfinished_requests():
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
         if check:
             assert_invariants(engine.kv_snapshot())
+    else:
+        raise AssertionError(f"the requests did not finish in {max_steps} steps")
     return finished
 
 
@@ -149,6 +153,41 @@ def test_abort_frees_or_parks(tiny_model):
     assert_all_free(engine.kv_snapshot())
 
 
+def test_parked_conversations_are_released_least_recently_used_before_any_preemption(tiny_model):
+    """Three parked conversations fill most of a 16-block pool; a new request that needs more than
+    the free blocks, first for its prompt and then as it grows, takes the parked ones' blocks in
+    least-recently-used order (not the order they were created in) and preempts nothing."""
+    llm = make_llm(tiny_model, block_size=4, num_kv_blocks=16, max_model_len=64)
+    engine = llm.engine
+    short = SamplingParams(max_tokens=2, ignore_eos=True, **GREEDY)
+    for i, request_id in enumerate("abc"):
+        engine.add_request(request_id, [10 * i + k for k in range(10)], short, keep=True)
+    run_to_end(engine)
+    engine.continue_request("a", [99], SamplingParams(max_tokens=1, ignore_eos=True, **GREEDY))
+    run_to_end(engine)  # "a" is now the most recently used; "b" the least
+    snap = engine.kv_snapshot()
+    parked = {r.request_id: r.block_table for r in snap.requests if r.status == "parked"}
+    assert sorted(parked) == ["a", "b", "c"] and all(parked.values())
+    held = sum(len(table) for table in parked.values())
+    assert snap.num_free_blocks == 16 - held
+    prompt = list(range(100, 130))  # 8 blocks: more than the free ones
+    assert len(prompt) // 4 > snap.num_free_blocks
+    blocks_at_end = -(-(len(prompt) + 20 - 1) // 4)  # the last sampled token is never computed
+    assert blocks_at_end > 16 - len(parked["a"]), "the request must need all three conversations' blocks"
+    since = snap.events[-1].seq
+    engine.add_request("d", prompt, SamplingParams(max_tokens=20, ignore_eos=True, **GREEDY))
+    out = run_to_end(engine)["d"]
+    snap = engine.kv_snapshot()
+    reclaims = [(e.kind, e.request_id) for e in snap.events if e.seq > since and e.kind in ("release", "preempt")]
+    assert reclaims == [("release", "b"), ("release", "c"), ("release", "a")]
+    assert snap.num_preemptions == 0
+    assert out.token_ids == hf_greedy(tiny_model, prompt, 20, min_new_tokens=20)
+    infos = {r.request_id: r for r in snap.requests if r.request_id in parked}
+    assert {rid: (info.status, info.block_table) for rid, info in infos.items()} == {
+        rid: ("parked", ()) for rid in "abc"}  # released, still continuable
+    assert_all_free(snap)
+
+
 def test_prompt_that_cannot_fit_fails_alone(tiny_model):
     llm = make_llm(tiny_model, block_size=8, num_kv_blocks=8)
     outs = llm.generate([[3] * 100, [4, 5, 6]], SamplingParams(max_tokens=5, **GREEDY))
@@ -228,7 +267,6 @@ def test_sampling_is_seeded_and_filtered(tiny_model):
 
 def test_stop_conditions(tiny_model):
     llm = make_llm(tiny_model)
-    tokenizer = llm.get_tokenizer()
     prompt = [40, 41, 42]
     free_run = llm.generate(prompt, SamplingParams(max_tokens=30, ignore_eos=True, **GREEDY))[0]
     assert len(free_run.token_ids) == 30 and free_run.finish_reason == "length"
@@ -240,9 +278,25 @@ def test_stop_conditions(tiny_model):
     by_text = llm.generate(prompt, SamplingParams(max_tokens=30, ignore_eos=True, stop=[stop_text], **GREEDY))[0]
     assert by_text.finish_reason == "stop"
     assert by_text.text == free_run.text[: free_run.text.index(stop_text)]
-    eos = tokenizer.eos_token_id
-    no_eos_early = llm.generate(prompt, SamplingParams(max_tokens=30, min_tokens=30, **GREEDY))[0]
-    assert eos not in no_eos_early.token_ids and len(no_eos_early.token_ids) == 30
+
+
+def test_min_tokens_holds_back_an_early_eos(tiny_model):
+    """A prompt whose greedy reply ends at EOS within a few tokens, then the same prompt with
+    min_tokens past that point: EOS is held back until min_tokens are out."""
+    llm = make_llm(tiny_model)
+    eos = llm.get_tokenizer().eos_token_id
+    candidates = [[i] for i in range(256)]  # every one-byte prompt; the first that stops early is used
+    free_runs = llm.generate(candidates, SamplingParams(max_tokens=10, **GREEDY))
+    early = [(prompt, out) for prompt, out in zip(candidates, free_runs) if out.finish_reason == "stop"]
+    assert early, "no one-byte prompt reaches EOS within 10 tokens: the test would prove nothing"
+    prompt, free_run = early[0]
+    assert free_run.token_ids[-1] == eos and len(free_run.token_ids) < 10
+    min_tokens = len(free_run.token_ids) + 5
+    held = llm.generate(prompt, SamplingParams(max_tokens=30, min_tokens=min_tokens, **GREEDY))[0]
+    assert len(held.token_ids) >= min_tokens and eos not in held.token_ids[:min_tokens]
+    # Greedy up to where EOS was, then the best token other than EOS, as HF's min_new_tokens does.
+    assert held.token_ids[: len(free_run.token_ids) - 1] == free_run.token_ids[:-1]
+    assert held.token_ids == hf_greedy(tiny_model, prompt, 30, min_new_tokens=min_tokens)
 
 
 def test_chat_api(tiny_model):
