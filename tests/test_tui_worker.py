@@ -22,6 +22,7 @@ class ScriptedEngine:
     def __init__(self) -> None:
         self.remaining: dict[str, int] = {}
         self.steps = 0
+        self.step_times: list[float] = []
         self.fail_next_step = False
 
     def add_request(self, request_id, prompt, params, keep=False):
@@ -43,6 +44,7 @@ class ScriptedEngine:
 
     def step(self):
         self.steps += 1
+        self.step_times.append(time.monotonic())
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("injected fault\nsecond line")
@@ -78,20 +80,75 @@ class Sink:
                        for m in self.messages)
 
 
-def wait_for(condition, timeout: float = 5.0) -> None:
+def wait_for(condition, timeout: float = 5.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
         time.sleep(0.005)
 
 
-def started(engine: ScriptedEngine) -> EngineWorker:
-    worker = EngineWorker(engine)
-    worker.start()
+class WatchedCondition(threading.Condition):
+    """A condition that knows when its one waiter, the engine thread, sleeps on it unwoken.
+
+    `asleep` is set (under the lock) as the thread starts to wait and cleared by every notify, and
+    the worker notifies under the same lock with which it records each command, pause and step
+    grant. So once `asleep` holds after a call, the thread has looked at everything given to it
+    until then and found nothing it may do: what has not happened by then will not happen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asleep = False
+
+    def wait(self, timeout=None):
+        self.asleep = True
+        try:
+            return super().wait(timeout)
+        finally:
+            self.asleep = False
+
+    def notify(self, n=1):  # notify_all comes here too
+        self.asleep = False
+        super().notify(n)
+
+
+def watch(worker: EngineWorker) -> EngineWorker:
+    """Give a worker, before it starts, a WatchedCondition in place of its own."""
+    assert not worker._thread.is_alive()
+    worker._cond = WatchedCondition()
     return worker
 
 
-def test_runs_requests_to_the_end_then_sleeps():
+def idle(worker: EngineWorker) -> bool:
+    with worker._cond:
+        return worker._cond.asleep
+
+
+def wait_idle(worker: EngineWorker) -> None:
+    """Until the engine thread has taken in every call made so far and sleeps with nothing to do."""
+    wait_for(lambda: idle(worker), what="the engine thread to go to sleep")
+
+
+@pytest.fixture
+def started():
+    """Start a (watched) worker on an engine; every worker is stopped at the end of the test, even one
+    that fails, so that the GIL switch interval is Python's own again for the next test."""
+    interval = sys.getswitchinterval()
+    workers: list[EngineWorker] = []
+
+    def start(engine) -> EngineWorker:
+        worker = watch(EngineWorker(engine))
+        workers.append(worker)
+        worker.start()
+        return worker
+
+    yield start
+    for worker in reversed(workers):
+        worker.stop()
+    assert not any(worker._thread.is_alive() for worker in workers), "a worker's thread did not stop"
+    assert sys.getswitchinterval() == interval
+
+
+def test_runs_requests_to_the_end_then_sleeps(started):
     engine = ScriptedEngine()
     worker = started(engine)
     a, b = Sink(), Sink()
@@ -100,14 +157,12 @@ def test_runs_requests_to_the_end_then_sleeps():
     wait_for(lambda: a.finished() and b.finished())
     assert [m.output.finish_reason for m in a.messages + b.messages] == ["length", "length"]  # the ends only
     assert worker.progress("a") is worker.progress("b") is None
-    steps = engine.steps
-    time.sleep(0.1)
-    assert engine.steps == steps == 4  # idle: no step runs without work
+    wait_idle(worker)  # asleep: a thread that kept stepping without work would never get here
+    assert engine.steps == 4
     assert worker.snapshot.step == 4
-    worker.stop()
 
 
-def test_the_gil_changes_hands_often_while_the_engine_thread_runs():
+def test_the_gil_changes_hands_often_while_the_engine_thread_runs(started):
     before = sys.getswitchinterval()
     assert before != pytest.approx(GIL_SWITCH_INTERVAL_S)
     worker = started(ScriptedEngine())
@@ -116,7 +171,7 @@ def test_the_gil_changes_hands_often_while_the_engine_thread_runs():
     assert sys.getswitchinterval() == before
 
 
-def test_a_reply_in_progress_is_polled_and_only_its_end_is_posted():
+def test_a_reply_in_progress_is_polled_and_only_its_end_is_posted(started):
     engine = ScriptedEngine()
     worker = started(engine)
     worker.set_paused(True)
@@ -133,39 +188,41 @@ def test_a_reply_in_progress_is_polled_and_only_its_end_is_posted():
     worker.set_paused(False)
     wait_for(sink.finished)
     assert worker.progress("a") is None and len(sink.messages) == 1 and closed.messages == []
-    worker.stop()
 
 
-def test_pause_and_single_steps():
+def test_pause_and_single_steps(started):
     engine = ScriptedEngine()
     worker = started(engine)
     worker.set_paused(True)
     sink = Sink()
     worker.add("a", [1], PARAMS, sink)
-    time.sleep(0.1)
+    wait_idle(worker)
+    assert "a" in worker.snapshot.block_tables  # the request is in: paused, not idle
     assert engine.steps == 0
-    worker.step_once()
-    wait_for(lambda: engine.steps == 1)
-    time.sleep(0.05)
-    assert engine.steps == 1  # exactly one
+    for steps in (1, 2):
+        worker.step_once()
+        wait_idle(worker)
+        assert engine.steps == steps  # exactly one more
+    assert worker.snapshot.step == 2 and engine.remaining["a"] == 2
     worker.set_paused(False)
     wait_for(sink.finished)
-    worker.stop()
+    assert engine.steps == 4
 
 
-def test_slow_motion_spaces_steps():
+def test_slow_motion_spaces_steps(started):
     engine = ScriptedEngine()
     worker = started(engine)
     worker.set_delay(0.1)
     sink = Sink()
-    started_at = time.monotonic()
     worker.add("a", [1], PARAMS, sink)
     wait_for(sink.finished)
-    assert time.monotonic() - started_at >= 0.3  # 4 steps, 3 gaps
-    worker.stop()
+    # A lower bound only, which the worker guarantees: it waits for the monotonic clock to reach
+    # the step's time (taken as the previous step ended) before it runs the next.
+    gaps = [later - earlier for earlier, later in zip(engine.step_times, engine.step_times[1:])]
+    assert len(gaps) == 3 and min(gaps) >= 0.1
 
 
-def test_a_failing_command_fails_its_request_only():
+def test_a_failing_command_fails_its_request_only(started):
     engine = ScriptedEngine()
     worker = started(engine)
     good, bad = Sink(), Sink()
@@ -174,10 +231,9 @@ def test_a_failing_command_fails_its_request_only():
     wait_for(lambda: good.finished() and bad.finished())
     assert [m.error for m in bad.messages] == ["ValueError: unknown request id 'nope'"]
     assert all(isinstance(m, EngineOutput) for m in good.messages)
-    worker.stop()
 
 
-def test_a_failing_step_fails_what_ran_and_the_engine_serves_on():
+def test_a_failing_step_fails_what_ran_and_the_engine_serves_on(started):
     engine = ScriptedEngine()
     worker = started(engine)
     worker.set_paused(True)
@@ -192,10 +248,9 @@ def test_a_failing_step_fails_what_ran_and_the_engine_serves_on():
     worker.add("later", [1], PARAMS, later)
     wait_for(later.finished)
     assert later.messages[-1].output.finish_reason == "length"
-    worker.stop()
 
 
-def test_released_requests_post_nothing_more():
+def test_closed_requests_post_nothing_more(started):
     engine = ScriptedEngine()
     worker = started(engine)
     worker.set_paused(True)
@@ -203,6 +258,6 @@ def test_released_requests_post_nothing_more():
     worker.add("a", [1], PARAMS, sink)
     worker.close("a")
     worker.set_paused(False)
-    time.sleep(0.1)
+    wait_idle(worker)
+    assert "a" not in engine.remaining  # closed in the engine, not merely forgotten by the worker
     assert sink.messages == [] and engine.steps == 0
-    worker.stop()
