@@ -146,8 +146,12 @@ def test_abort_frees_or_parks(tiny_model):
     assert len(outs["keep"].token_ids) >= 2
     snap = engine.kv_snapshot()
     assert_invariants(snap)
-    assert snap.block_tables["keep"] and snap.block_tables["free"] == ()
-    assert {r.request_id: r.status for r in snap.requests} == {"free": "finished", "keep": "parked"}
+    assert snap.block_tables["keep"] and "free" not in snap.block_tables
+    assert {r.request_id: r.status for r in snap.requests} == {"keep": "parked"}  # "free" is forgotten
+    assert any(e.kind == "free" and e.request_id == "free" for e in snap.events)
+    engine.add_request("free", [7, 8], params)  # its id is free again
+    engine.abort_request("free")
+    engine.step()
     assert not engine.has_unfinished_requests()
     engine.release_request("keep")
     assert_all_free(engine.kv_snapshot())

@@ -33,7 +33,7 @@ def make_snapshot(num_blocks: int = 64, block_size: int = 16, tables: dict | Non
                                 tuple(range(97, 97 + filled))))
     statuses = statuses or {}
     requests = tuple(
-        RequestInfo(rid, statuses.get(rid, "running"), tuple(table),
+        RequestInfo(rid, rid, statuses.get(rid, "running"), tuple(table),
                     sum(blocks[b].num_tokens for b in table), 0, 0, max_len)
         for rid, table in tables.items())
     return KVSnapshot(

@@ -1,3 +1,4 @@
+import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -7,8 +8,10 @@ MAX_EVENTS = 400
 
 
 def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    # Ints and tuples of ints hash the same in every process (None does not before Python 3.12).
-    return hash((-1 if parent is None else parent, token_ids))
+    """The prefix cache's index key. Ints and tuples of ints hash the same in every process (None does
+    not before Python 3.12); a first block hashes a shorter tuple, so no parent hash can stand for it.
+    Keys may collide: a hit is confirmed on the block's tokens and parent (BlockPool.lookup)."""
+    return hash((token_ids,) if parent is None else (parent, token_ids))
 
 
 @dataclass(slots=True)
@@ -17,6 +20,8 @@ class Block:
     ref_count: int = 0
     block_hash: int | None = None
     token_ids: list[int] = field(default_factory=list)
+    fill: int = 0  # numbers each allocation, so that a child can name the very content it followed
+    parent_fill: int | None = None  # the fill of the block before it in the chain it was cached from
 
 
 class BlockPool:
@@ -32,7 +37,8 @@ class BlockPool:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[int, list[int]] = {}  # block hash -> the cached blocks under that key
+        self._fills = itertools.count(1)
         self.events: deque[BlockEvent] = deque(maxlen=MAX_EVENTS)
         self.event_seq = 0
         self.step = 0
@@ -50,10 +56,10 @@ class BlockPool:
         block = self.blocks[block_id]
         assert block.ref_count == 0
         if block.block_hash is not None:
-            del self.cached[block.block_hash]
-            block.block_hash = None
+            self._uncache(block)
             self.record("evict", block_id, None)
         block.token_ids = []
+        block.fill = next(self._fills)
         block.ref_count = 1
         self.record("allocate", block_id, request_id)
         return block
@@ -77,14 +83,31 @@ class BlockPool:
             self.free_queue.move_to_end(block_id, last=False)
         self.record("free", block_id, request_id)
 
-    def lookup(self, block_hash: int) -> int | None:
-        return self.cached.get(block_hash)
+    def lookup(self, block_hash: int, token_ids: list[int], parent: Block | None) -> Block | None:
+        """The cached block that holds token_ids right after `parent` (None: at the start), if any."""
+        parent_fill = None if parent is None else parent.fill
+        for block_id in self.cached.get(block_hash, ()):
+            block = self.blocks[block_id]
+            if block.parent_fill == parent_fill and block.token_ids == token_ids:
+                return block
+        return None
 
-    def register(self, block: Block, block_hash: int) -> None:
-        """Make a full block findable by its chained hash (the first block with a given content wins)."""
-        if block.block_hash is None and block_hash not in self.cached:
+    def register(self, block: Block, block_hash: int, parent: Block | None) -> None:
+        """Make a full block findable after `parent`, which must be findable itself; the first block
+        with a given content wins."""
+        if block.block_hash is not None or (parent is not None and parent.block_hash is None):
+            return
+        if self.lookup(block_hash, block.token_ids, parent) is None:
             block.block_hash = block_hash
-            self.cached[block_hash] = block.block_id
+            block.parent_fill = None if parent is None else parent.fill
+            self.cached.setdefault(block_hash, []).append(block.block_id)
+
+    def _uncache(self, block: Block) -> None:
+        bucket = self.cached[block.block_hash]
+        bucket.remove(block.block_id)
+        if not bucket:
+            del self.cached[block.block_hash]
+        block.block_hash = block.parent_fill = None
 
     @property
     def num_cached_free(self) -> int:

@@ -23,12 +23,14 @@ class KVCacheManager:
             return []
         max_blocks = (len(seq) - 1) // self.block_size
         self._extend_hashes(seq, max_blocks * self.block_size)
-        hits = []
-        for block_hash in seq.block_hashes[:max_blocks]:
-            block_id = self.pool.lookup(block_hash)
-            if block_id is None:
+        bs = self.block_size
+        hits: list[int] = []
+        parent = None
+        for index, block_hash in enumerate(seq.block_hashes[:max_blocks]):
+            parent = self.pool.lookup(block_hash, seq.token_ids[index * bs : (index + 1) * bs], parent)
+            if parent is None:
                 break
-            hits.append(block_id)
+            hits.append(parent.block_id)
         return hits
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> int:
@@ -87,7 +89,8 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self._extend_hashes(seq, end)
             for index in range(start // bs, end // bs):  # the blocks this commit filled
-                self.pool.register(self.pool.blocks[seq.block_table[index]], seq.block_hashes[index])
+                parent = self.pool.blocks[seq.block_table[index - 1]] if index else None
+                self.pool.register(self.pool.blocks[seq.block_table[index]], seq.block_hashes[index], parent)
 
     def _extend_hashes(self, seq: Sequence, num_tokens: int) -> None:
         bs = self.block_size

@@ -13,7 +13,7 @@ from pagedchat.engine.model_runner import ModelRunner
 from pagedchat.engine.outputs import CompletionOutput, RequestOutput
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.sampler import sample
-from pagedchat.engine.scheduler import Scheduler
+from pagedchat.engine.scheduler import ScheduledSeq, Scheduler
 from pagedchat.engine.sequence import Sequence, Status, make_generator
 from pagedchat.engine.snapshot import BlockInfo, KVSnapshot, RequestInfo
 from pagedchat.engine.threads import ThreadPolicy
@@ -62,11 +62,12 @@ class LLMEngine:
         self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size, attention_ops, config.max_model_len,
                                   config.compile)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
-        self.groups: dict[str, list[Sequence]] = {}  # request id -> its samples
+        self.groups: dict[str, list[Sequence]] = {}  # request id -> its samples: the requests the engine knows
         self.step_count = 0
-        self._reports: dict[str, None] = {}  # requests to report at the next step though they were not computed
-        self._rate: deque[tuple[float, int]] = deque()
-        self._just_finished: list[Sequence] = []
+        # Requests that moved outside a step (aborted, closed, forked, refused), keyed by id(group): each
+        # owes one output at the next step, even if its id is forgotten meanwhile.
+        self._owed: dict[int, list[Sequence]] = {}
+        self._rate: deque[tuple[float, int]] = deque()  # (time, tokens sampled) of the steps in the window
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -111,17 +112,22 @@ class LLMEngine:
                 self.scheduler.release(seq)
             seq.status = Status.FINISHED
 
+    def close_request(self, request_id: str) -> None:
+        """End a conversation for good: stop it if it is generating (its last output, at the next step,
+        says "abort"), free its blocks into the prefix cache and forget its id, which is free again."""
+        self.release_request(request_id)
+        del self.groups[request_id]
+
     def fork_request(self, src_id: str, new_id: str, params: SamplingParams | None = None) -> None:
         """A new request with src's tokens and status that shares all of src's blocks (copy-on-write)."""
         src = self._group(src_id)[0]
         if new_id in self.groups:
             raise ValueError(f"request id {new_id!r} is already in use")
-        dst = self._fork(src, new_id, new_id, 0, params)
-        self.groups[new_id] = [dst]
-        self._reports[new_id] = None
+        group = self.groups[new_id] = [self._fork(src, new_id, new_id, 0, params)]
+        self._owed[id(group)] = group
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work() or bool(self._reports)
+        return self.scheduler.has_work() or bool(self._owed)
 
     def _group(self, request_id: str) -> list[Sequence]:
         if request_id not in self.groups:
@@ -162,56 +168,64 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one packed forward, sample; return one RequestOutput per request that moved."""
+        """Schedule, run one packed forward, sample, commit the tokens; return one RequestOutput per
+        request that moved."""
         self.step_count += 1
         self.pool.step = self.step_count
         if self.threads is not None:
             self.threads.update()
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
-        num_sampled = 0
-        if scheduled:
-            try:
-                if self.kv.pending_copies:
-                    self.runner.copy_blocks(self.kv.pending_copies)
-                    self.kv.pending_copies = []
-                logits = self.runner.forward(scheduled)
-            except Exception as exc:  # one bad batch must not take down the engine: fail it, serve the rest
-                log.exception("engine step failed")
-                self.kv.pending_copies = []
-                for item in scheduled:
-                    self._finish(item.seq, "error", f"engine error: {type(exc).__name__}: {exc}")
-            else:
-                sampling: list[Sequence] = []
-                rows: list[int] = []
-                for item in scheduled:
-                    self.kv.commit(item.seq, item.num_tokens)
-                    item.seq.last_used_step = self.step_count
-                    if item.samples:
-                        rows.append(len(sampling))
-                        sampling.append(item.seq)
-                for row, seq in list(zip(rows, sampling)):
-                    if seq.params.n > 1 and len(self.groups[seq.request_id]) == 1:
-                        for index in range(1, seq.params.n):
-                            child = self._fork(seq, f"{seq.request_id}#{index}", seq.request_id, index, None)
-                            self.groups[seq.request_id].append(child)
-                            rows.append(row)
-                            sampling.append(child)
-                if sampling:
-                    tokens = sample(logits[rows], sampling, self.eos_token_ids)
-                    for seq, token in zip(sampling, tokens):
-                        self._append_token(seq, token)
-                    num_sampled = len(sampling)
-        moved, self._reports = self._reports, {}
-        moved.update(dict.fromkeys(item.seq.request_id for item in scheduled))
+        logits = self._run(scheduled) if scheduled else None
+        sampled = self._sample(scheduled, logits) if logits is not None else []
+        for seq, token in sampled:
+            self._commit(seq, token)
         now = time.perf_counter()
-        self._rate.append((now, num_sampled))
+        self._rate.append((now, len(sampled)))
+        self._trim_rate(now)
         log.debug("step %d: %d seqs, %.1f ms", self.step_count, len(scheduled), (now - started) * 1e3)
-        outputs = [self._output(request_id) for request_id in moved if request_id in self.groups]
-        self._drop_finished(moved)
-        return outputs
+        return self._report(scheduled)
 
-    def _append_token(self, seq: Sequence, token: int) -> None:
+    def _run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor | None:
+        """The forward over every scheduled token, whose K/V is then in the cache: logits of the rows
+        to sample, or None if it failed (those requests end with an error, the engine serves the rest)."""
+        try:
+            if self.kv.pending_copies:
+                self.runner.copy_blocks(self.kv.pending_copies)
+            logits = self.runner.forward(scheduled)
+        except Exception as exc:
+            log.exception("engine step failed")
+            for item in scheduled:
+                self._finish(item.seq, "error", f"engine error: {type(exc).__name__}: {exc}")
+            return None
+        finally:
+            self.kv.pending_copies = []
+        for item in scheduled:
+            self.kv.commit(item.seq, item.num_tokens)
+        return logits
+
+    def _sample(self, scheduled: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[Sequence, int]]:
+        """The next token of every sequence whose end this step reached (logits has one row for each)."""
+        rows: list[int] = []
+        samples: list[Sequence] = []
+        for row, seq in enumerate(item.seq for item in scheduled if item.samples):
+            for each in self._samples_of(seq):
+                rows.append(row)
+                samples.append(each)
+        if not samples:
+            return []
+        return list(zip(samples, sample(logits[rows], samples, self.eos_token_ids)))
+
+    def _samples_of(self, seq: Sequence) -> list[Sequence]:
+        """The samples that seq's logits row stands for: at a request's first token (n > 1), its other
+        samples fork from it, sharing the prompt's blocks."""
+        group = self.groups[seq.request_id]
+        if len(group) == seq.params.n:
+            return [seq]
+        group += [self._fork(seq, f"{seq.request_id}#{i}", seq.request_id, i, None) for i in range(1, seq.params.n)]
+        return group
+
+    def _commit(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)
         seq.new_token_ids.append(token)
         added = detokenizer.detokenize_step(self.tokenizer, seq)
@@ -220,23 +234,13 @@ class LLMEngine:
         params = seq.params
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             self._finish(seq, "stop")
-        elif params.stop_strings and self._hit_stop_string(seq, len(added)):
+        elif params.stop_strings and (at := stop_string_at(seq.text, len(added), params.stop_strings)) is not None:
+            seq.cut_text(at)
             self._finish(seq, "stop", flush=False)
         elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             self._finish(seq, "length")
         elif len(seq) >= seq.max_len:
             self._finish(seq, "length")
-
-    @staticmethod
-    def _hit_stop_string(seq: Sequence, num_added: int) -> bool:
-        for stop in seq.params.stop_strings:
-            at = seq.text.find(stop, max(0, len(seq.text) - num_added - len(stop) + 1))
-            if at >= 0:
-                cut = len(seq.text) - at
-                seq.text = seq.text[:at]
-                seq.new_text = seq.new_text[: max(0, len(seq.new_text) - cut)]
-                return True
-        return False
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None, flush: bool = True) -> None:
         if flush:
@@ -245,26 +249,30 @@ class LLMEngine:
             seq.new_text += tail
         seq.finish_reason, seq.error = reason, error
         self.scheduler.remove(seq)
-        self._reports[seq.request_id] = None
+        group = self.groups[seq.request_id]
+        self._owed[id(group)] = group
         if seq.keep and reason != "error":
             self.scheduler.park(seq)
         else:
             if seq.block_table:
                 self.kv.free(seq)
             seq.status = Status.FINISHED
-        seq.last_used_step = self.step_count
 
-    def _drop_finished(self, request_ids) -> None:
-        """Forget requests that finished without keep once their last output is out (their ids are free
-        again); the snapshot of this step still shows them."""
-        self._just_finished = []
-        for rid in request_ids:
-            group = self.groups.get(rid)
-            if group and all(s.status is Status.FINISHED and not s.keep for s in group):
-                self._just_finished += self.groups.pop(rid)
+    def _report(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
+        """The outputs of the requests that moved; a request that finished without keep is then forgotten."""
+        moved, self._owed = self._owed, {}
+        for item in scheduled:
+            group = self.groups[item.seq.request_id]
+            moved[id(group)] = group
+        outputs = [self._output(group) for group in moved.values()]
+        for group in moved.values():
+            request_id = group[0].request_id
+            if self.groups.get(request_id) is group and all(s.status is Status.FINISHED and not s.keep for s in group):
+                del self.groups[request_id]
+        return outputs
 
-    def _output(self, request_id: str) -> RequestOutput:
-        group = self.groups[request_id]
+    @staticmethod
+    def _output(group: list[Sequence]) -> RequestOutput:
         outputs = []
         for seq in group:
             outputs.append(CompletionOutput(
@@ -272,22 +280,23 @@ class LLMEngine:
             ))
             seq.new_token_ids, seq.new_text = [], ""
         first = group[0]
-        # A request whose first sample ended before producing a token never forks its other samples.
-        finished = all(seq.finish_reason is not None for seq in group) and (
-            len(group) == first.params.n or first.num_output_tokens == 0
-        )
-        return RequestOutput(
-            request_id, first.token_ids[: first.turn_start], outputs, finished, first.num_cached_tokens
-        )
+        # A request with n > 1 forks its other samples at its first token: until then, first is all of it.
+        finished = all(seq.finish_reason is not None for seq in group)
+        return RequestOutput(first.request_id, first.token_ids[: first.turn_start], outputs, finished,
+                             first.num_cached_tokens)
+
+    def _trim_rate(self, now: float) -> None:
+        while self._rate and now - self._rate[0][0] > RATE_WINDOW_S:
+            self._rate.popleft()
 
     # ---- the picture ----------------------------------------------------------------------------
 
     def kv_snapshot(self) -> KVSnapshot:
+        """The pool and every request the engine knows (whose id is in use); one forgotten at the last
+        step shows only in that step's events."""
+        seqs = [seq for group in self.groups.values() for seq in group]
         owners: dict[int, list[str]] = {}
-        live = [seq for group in self.groups.values() for seq in group
-                if seq.status is not Status.FINISHED or seq.last_used_step == self.step_count]
-        live += self._just_finished
-        for seq in live:
+        for seq in seqs:
             for block_id in seq.block_table:
                 owners.setdefault(block_id, []).append(seq.seq_id)
         blocks = tuple(
@@ -296,14 +305,11 @@ class LLMEngine:
             for b in self.pool.blocks
         )
         requests = tuple(
-            RequestInfo(seq.seq_id, seq.status.value, tuple(seq.block_table), len(seq), seq.num_computed_tokens,
-                        seq.num_cached_tokens, seq.max_len)
-            for seq in live
+            RequestInfo(seq.request_id, seq.seq_id, seq.status.value, tuple(seq.block_table), len(seq),
+                        seq.num_computed_tokens, seq.num_cached_tokens, seq.max_len)
+            for seq in seqs
         )
-        now = time.perf_counter()
-        while self._rate and now - self._rate[0][0] > RATE_WINDOW_S:
-            self._rate.popleft()
-        rate = sum(n for _, n in self._rate) / RATE_WINDOW_S
+        self._trim_rate(time.perf_counter())
         return KVSnapshot(
             step=self.step_count,
             num_blocks=self.pool.num_blocks,
@@ -312,16 +318,25 @@ class LLMEngine:
             num_cached_blocks=self.pool.num_cached_free,
             blocks=blocks,
             requests=requests,
-            block_tables=MappingProxyType({r.request_id: r.block_table for r in requests}),
+            block_tables=MappingProxyType({r.seq_id: r.block_table for r in requests}),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_parked=len(self.scheduler.parked),
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
-            tokens_per_second=rate,
+            tokens_per_second=sum(n for _, n in self._rate) / RATE_WINDOW_S,
             events=tuple(self.pool.events),
         )
+
+
+def stop_string_at(text: str, num_added: int, stop_strings: tuple[str, ...]) -> int | None:
+    """Where the first stop string that the last num_added characters completed begins in text."""
+    for stop in stop_strings:
+        at = text.find(stop, max(0, len(text) - num_added - len(stop) + 1))
+        if at >= 0:
+            return at
+    return None
 
 
 def _eos_token_ids(model, tokenizer) -> set[int]:

@@ -40,7 +40,6 @@ class Sequence:
     read_offset: int = 0
     finish_reason: str | None = None
     error: str | None = None
-    last_used_step: int = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -56,6 +55,12 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def cut_text(self, at: int) -> None:
+        """End this turn's text at `at` (a stop string begins there); what this step added loses the same tail."""
+        cut = len(self.text) - at
+        self.text = self.text[:at]
+        self.new_text = self.new_text[: max(0, len(self.new_text) - cut)]
 
     def start_turn(self, new_token_ids: list[int], params: SamplingParams) -> None:
         self.token_ids.extend(new_token_ids)

@@ -17,7 +17,8 @@ class BlockInfo:
 
 @dataclass(frozen=True, slots=True)
 class RequestInfo:
-    request_id: str
+    request_id: str  # the API id
+    seq_id: str  # the sample: equals request_id when n == 1
     status: str  # "waiting" | "running" | "preempted" | "parked" | "finished"
     block_table: tuple[int, ...]
     num_tokens: int

@@ -97,7 +97,7 @@ class PagedChatApp(App):
         self._load_llm = load_llm
         self._model_name = model_name
         self._params = params  # sampling of new tabs
-        self.tokenizer = None  # the UI thread's own: fast tokenizers are not thread-safe
+        self.tokenizer = None  # the UI thread's own (_load_with_tokenizer)
         self._max_len: int | None = None
         self._panes: dict[str, ChatPane] = {}
         self._tabs_opened = 0
@@ -141,7 +141,7 @@ class PagedChatApp(App):
         # The loading runs in a thread and the result comes back here by await, not by
         # call_from_thread, which would block the thread forever if the app quit meanwhile.
         try:
-            llm = await asyncio.to_thread(self._load_llm)
+            llm, self.tokenizer = await asyncio.to_thread(self._load_with_tokenizer)
         except Exception as exc:
             log.exception("loading the model failed")
             self.load_error = one_line(exc)
@@ -151,8 +151,6 @@ class PagedChatApp(App):
         # Textual's garbage soon triggers a full collection, which walks them all (~220 ms here) in
         # whichever thread it hits, the engine's included: freeze them out of every collection (after
         # one last collection, so that the loading's own garbage is not frozen with them).
-        # The engine thread decodes with the engine's tokenizer; the UI encodes with a copy of its own.
-        self.tokenizer = await asyncio.to_thread(copy.deepcopy, llm.get_tokenizer())
         gc.collect()
         gc.freeze()
         engine = llm.engine
@@ -171,6 +169,12 @@ class PagedChatApp(App):
         else:
             await self.action_new_chat()
         self._carry_over(*self._close_loading())
+
+    def _load_with_tokenizer(self) -> tuple[object, object]:
+        """The LLM, and the UI thread's own copy of its tokenizer: the engine thread decodes with the
+        engine's, and fast tokenizers are not thread-safe."""
+        llm = self._load_llm()
+        return llm, copy.deepcopy(llm.get_tokenizer())
 
     def _close_loading(self) -> tuple[str, bool]:
         """Pop the loading screen: what the user typed there, and whether they sent it."""
