@@ -1,12 +1,12 @@
 """The app driven by Pilot on the tiny random model: real engine, real engine thread."""
 
-import asyncio
 import gc
 import threading
 
 import pytest
 from bench.invariants import assert_all_free, assert_invariants
 from test_tui_support import async_test, frozen_llm, make_snapshot, wait_until
+from test_tui_worker import idle, watch
 from textual import events
 from textual.widgets import Input, TextArea
 
@@ -22,6 +22,7 @@ from pagedchat.tui.loading_screen import LoadingScreen
 from pagedchat.tui.message_box import MessageBox
 from pagedchat.tui.restore_screen import RestoreScreen
 from pagedchat.tui.settings_screen import SettingsScreen
+from pagedchat.tui.worker import EngineWorker
 
 SIZE = (160, 50)
 # ignore_eos: the random model may end a reply at once; these replies must run long enough to watch.
@@ -43,6 +44,13 @@ def make_app(tiny_model):
         return PagedChatApp(load, params=params)
 
     return make
+
+
+@pytest.fixture
+def watched_worker(monkeypatch):
+    """The app's engine thread gets a condition that tells when it sleeps with nothing to do
+    (test_tui_worker.WatchedCondition): `idle(app.worker)`."""
+    monkeypatch.setattr("pagedchat.tui.app.EngineWorker", lambda *args, **kwargs: watch(EngineWorker(*args, **kwargs)))
 
 
 async def loaded(pilot) -> PagedChatApp:
@@ -103,9 +111,14 @@ async def test_a_tab_shows_its_reply_so_far_as_soon_as_it_is_shown(make_app, mon
         first.send("Tell me everything")
         await pilot.press("ctrl+n")
         await wait_until(pilot, lambda: app.current_pane is not first, what="a second tab")
-        while len(first.reply_text) <= 20:
+        for _ in range(400):
+            if len(first.reply_text) > 20:
+                break
+            step = app.worker.snapshot.step
             await pilot.press("f6")
-            await asyncio.sleep(0.05)
+            await wait_until(pilot, lambda: app.worker.snapshot.step > step, what="one more step")
+        else:
+            raise AssertionError(f"the reply is {len(first.reply_text)} characters after 400 steps")
         await pilot.press("f7")
         await wait_until(pilot, lambda: app.current_pane is first, what="the first tab back")
         shown = first.query(ChatMessage).last().source
@@ -220,21 +233,24 @@ async def test_clicking_a_block_shows_what_it_holds(make_app):
 
 
 @async_test
-async def test_pause_then_one_step_at_a_time(make_app):
+async def test_pause_then_one_step_at_a_time(make_app, watched_worker):
     async with make_app().run_test(size=SIZE) as pilot:
         app = await loaded(pilot)
+        step = app.worker.snapshot.step
         await pilot.press("f5")
         pane = app.current_pane
         pane.send("step by step")
-        await wait_until(pilot, lambda: app.worker.paused, what="pause")
-        step = app.worker.snapshot.step
-        await pilot.pause(0.3)
+        # Once the engine thread sleeps having seen the pause and the request, no step will run.
+        await wait_until(pilot, lambda: app.worker.paused and idle(app.worker), what="the paused engine to sleep")
+        [info] = [r for r in app.worker.snapshot.requests if r.request_id == pane.conversation.request_id]
+        assert info.status == "waiting" and info.num_computed_tokens == 0  # taken in, not started
         assert app.worker.snapshot.step == step and pane.replying
         for expected in (step + 1, step + 2):
             await pilot.press("f6")
-            await wait_until(pilot, lambda: snapshot(app).step == expected, what=f"step {expected}")
-        await pilot.pause(0.2)
-        assert app.worker.snapshot.step == step + 2
+            await wait_until(pilot, lambda: app.worker.snapshot.step >= expected and idle(app.worker),
+                             what=f"step {expected}, then the engine asleep")
+            assert app.worker.snapshot.step == expected and pane.replying  # one step a press, no more
+            await wait_until(pilot, lambda: snapshot(app).step == expected, what=f"the panel at step {expected}")
         await pilot.press("f5")
         await reply_done(pilot, pane)
 
@@ -249,17 +265,30 @@ async def test_fork_shares_the_history_blocks(make_app):
         await pilot.press("ctrl+f")
         await wait_until(pilot, lambda: app.current_pane is not source, what="the fork's tab")
         fork = app.current_pane
-        await wait_until(pilot, lambda: fork.conversation.request_id in app.worker.snapshot.block_tables,
-                         what="the forked request")
-        tables = app.worker.snapshot.block_tables
-        assert tables[fork.conversation.request_id] == tables[source.conversation.request_id]
+        src_id, fork_id = source.conversation.request_id, fork.conversation.request_id
+        await wait_until(pilot, lambda: fork_id in app.worker.snapshot.block_tables, what="the forked request")
+        at_fork = app.worker.snapshot
+        table = at_fork.block_tables[src_id]
+        assert at_fork.block_tables[fork_id] == table
+        assert all(at_fork.blocks[b].ref_count == 2 for b in table)
         assert [t.text for t in fork.conversation.turns] == [t.text for t in source.conversation.turns]
+        [info] = [r for r in at_fork.requests if r.request_id == src_id]
+        assert info.num_computed_tokens % at_fork.block_size, "the fork point must be mid-block for a copy"
+        last = len(table) - 1  # the shared partial block: whichever writes into it first copies it
         fork.send("a different follow-up")
         source.send("the original follow-up")
         await reply_done(pilot, fork, source)
-        assert any(e.kind == "cow" for e in app.worker.snapshot.events) or \
-            len(source.conversation.turns) == 4  # cow only when the shared last block was partial
-        assert_invariants(app.worker.snapshot)
+        after = app.worker.snapshot
+        assert_invariants(after)
+        [cow] = [e for e in after.events if e.kind == "cow" and e.seq > at_fork.events[-1].seq]
+        assert cow.request_id in (src_id, fork_id)
+        writer, other = (src_id, fork_id) if cow.request_id == src_id else (fork_id, src_id)
+        tables = after.block_tables
+        assert tables[writer][:last] == tables[other][:last] == table[:last]  # the full blocks stay shared
+        assert all(after.blocks[b].ref_count == 2 for b in table[:last])
+        assert tables[writer][last] == cow.block_id != table[last]  # its copy of the partial block
+        assert tables[other][last] == table[last]  # the other one kept the original, now its own
+        assert after.blocks[table[last]].ref_count == after.blocks[cow.block_id].ref_count == 1
 
 
 @async_test
@@ -328,7 +357,7 @@ async def test_an_empty_message_is_not_sent(make_app):
         await pilot.press("enter")
         box.insert("  \n\t ")
         await pilot.press("enter")
-        await pilot.pause()
+        await wait_until(pilot, lambda: len(notices(app)) >= 2, what="two notices")
         assert notices(app) == ["The message is empty: nothing to send."] * 2
         assert sent == [] and not app.current_pane.replying and app.current_pane.conversation.turns == []
         await still_chats(pilot, box, sent)
@@ -408,7 +437,8 @@ async def test_help_settings_and_palette():
         app.screen.query_one("#temperature", Input).value = "-1"
         await pilot.click("#save")
         assert "temperature must be >= 0" in str(app.screen.query_one("#error").render())
-        await pilot.pause(0.3)  # a button ignores clicks for 0.2 s after one (its "active" look)
+        save = app.screen.query_one("#save")  # a button ignores clicks while it shows the last one
+        await wait_until(pilot, lambda: not save.has_class("-active"), what="the save button to take clicks")
         app.screen.query_one("#temperature", Input).value = "0"
         app.screen.query_one("#max_tokens", Input).value = "7"
         app.screen.query_one("#system", TextArea).text = "Answer in French."
