@@ -3,7 +3,7 @@ its report has the expected shape. Never timings: those belong to bench/RESULTS.
 
 import pytest
 
-from bench import chart, concurrency, multiturn, sharing, soak, step_overhead, throughput, ui_overhead
+from bench import chart, closed_conversations, concurrency, multiturn, sharing, soak, step_overhead, throughput, ui_overhead
 from bench.common import Section, Table, fixed_requests, header, random_requests
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -88,3 +88,11 @@ def test_chart_is_a_png(tmp_path):
     path = tmp_path / "c.png"
     assert chart.draw({"a": (2.0, 1.5), "b": (0.5, None)}, path, "test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_closed_conversations_compares_released_with_closed(tiny_model):
+    section = closed_conversations.closed_conversations_section(str(tiny_model), "float32", [3, 5])
+    rows = section.tables[0].rows
+    assert [row[0] for row in rows] == [3, 5]
+    assert [(row[1].endswith(f"({n} listed)"), row[2].endswith("(0 listed)")) for row, n in zip(rows, (3, 5))] == [
+        (True, True), (True, True)]

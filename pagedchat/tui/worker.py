@@ -236,14 +236,14 @@ class EngineWorker:
 
     def _fail_unfinished(self, error: str) -> None:
         """A step raised: stop every request it was working on, so the engine can go on serving."""
-        for info in self._engine.kv_snapshot().requests:
-            if info.status in ("waiting", "running", "preempted"):
-                try:
-                    self._engine.abort_request(info.request_id)
-                except Exception:
-                    log.exception("abort after a failed step failed for %s", info.request_id)
-                self._progress.pop(info.request_id, None)
-                self._post(info.request_id, EngineError(info.request_id, error))
+        busy = ("waiting", "running", "preempted")
+        for request_id in dict.fromkeys(r.request_id for r in self._engine.kv_snapshot().requests if r.status in busy):
+            try:
+                self._engine.abort_request(request_id)
+            except Exception:
+                log.exception("abort after a failed step failed for %s", request_id)
+            self._progress.pop(request_id, None)
+            self._post(request_id, EngineError(request_id, error))
 
     def _post(self, request_id: str, message: Message) -> None:
         sink = self._sinks.get(request_id)
