@@ -106,17 +106,56 @@ def test_a_model_that_fails_to_load_exits_1_with_one_line(tiny_model, tmp_path):
     assert "Traceback" in log.read_text()
 
 
+def saved_messages(tmp_path: Path) -> list[tuple[str, str, int]]:
+    """(role, content, complete) of every saved message, read beside the running app (WAL mode)."""
+    database = sqlite3.connect(tmp_path / "pagedchat" / "history.sqlite3")
+    try:
+        return database.execute("SELECT role, content, complete FROM messages ORDER BY id").fetchall()
+    finally:
+        database.close()
+
+
+# The KV panel's lines 2 and 3 (beside the chat on the same screen lines): one snapshot's running count and step.
+STATS = r"run (\d+) · wait \d+ · preempted \d+ \(\d+ total\) · parked \d+[\s▏]+prefix hits .*? · step {step}\b"
+
+
+def one_step(term: Terminal, step: int) -> bool:
+    """f6 on the paused engine: wait for step `step` on screen; whether a request still runs after it.
+    Nothing steps but f6, so the frame that shows step `step` shows the engine as it now stays."""
+    term.keys("F6")
+    return int(term.wait_for(STATS.format(step=step), 10)[1]) > 0
+
+
 def test_kill_during_a_reply_loses_no_finished_message(tiny_model, tmp_path):
     """SIGKILL mid-reply: the finished messages are in the database, and the reply in progress up to
-    its last save (at most a second old)."""
+    its last save. The engine is paused from the start and driven a step at a time (f6), so that the
+    screen says for sure whether the reply is still running when the app is killed."""
     term = tiny_chat(tiny_model, tmp_path)
     try:
+        term.keys("F5")
+        term.wait_for(r"Engine paused", 10)
+        step = 0
         send(term, "first message")
-        time.sleep(0.5)
-        term.keys("Escape")  # a stopped reply is a finished message too
-        term.wait_for(r"reply \d+ tok", 30)  # stopped, or ended by the random model's EOS first
+        running = True
+        while running and step < 12:  # the prompt, then some tokens, unless EOS ends the reply first
+            step += 1
+            running = one_step(term, step)
+        if running:
+            term.keys("Escape")  # a stopped reply is a finished message too
+            step += 1
+            assert not one_step(term, step)  # the step that reports the stop
+        first_turn = term.wait_for(r"last turn: prompt (\d+) tok", 10)  # the app has recorded the reply
         send(term, "second message")
-        time.sleep(2.5)
+        for _ in range(300):  # until a save of the reply in progress is in the database, or it ends
+            step += 1
+            running = one_step(term, step)
+            if not running or saved_messages(tmp_path)[3][1]:
+                break
+        else:
+            raise AssertionError(f"no save of the reply in progress after 300 steps; the screen:\n{term.screen()}")
+        if not running:  # EOS ended the reply: wait until the app has recorded it, as the turn line shows
+            term.wait_for(rf"last turn: prompt (?!{first_turn[1]} )\d+ tok", 10)
+        saved = saved_messages(tmp_path)
         pid = subprocess.run([*term.tmux, "display", "-p", "#{pane_pid}"], capture_output=True,
                              text=True).stdout.strip()
         app = subprocess.run(["pgrep", "-P", pid, "-f", "pagedchat"], capture_output=True, text=True).stdout.split()
@@ -124,11 +163,10 @@ def test_kill_during_a_reply_loses_no_finished_message(tiny_model, tmp_path):
         term.wait_for(r"exit=137", 10)
     finally:
         term.close()
-    database = sqlite3.connect(tmp_path / "pagedchat" / "history.sqlite3")
-    rows = database.execute("SELECT role, content, complete FROM messages ORDER BY id").fetchall()
+    rows = saved_messages(tmp_path)
+    # cut off (0) while the paused engine still ran it; finished (1) when EOS came first
     assert [(role, complete) for role, _, complete in rows] == [
-        ("user", 1), ("assistant", 1), ("user", 1), ("assistant", rows[3][2])]
-    # rows[3] is cut off (0) or, when sampling ended the reply within the 2.5 s, finished (1); the
-    # screen cannot tell which in time: it shows the engine's state up to a second late
+        ("user", 1), ("assistant", 1), ("user", 1), ("assistant", 0 if running else 1)]
     assert rows[0][1] == "first message" and rows[2][1] == "second message"
     assert rows[1][1] and rows[3][1]  # the stopped reply, and the cut-off one as of its last save
+    assert rows == saved  # the kill lost nothing that was saved
