@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import gguf
@@ -236,7 +235,7 @@ def test_every_architecture_checks_and_loads(tiny_models):
         assert tokenizer.decode(tokenizer("héllo")["input_ids"]) == "héllo"
 
 
-def test_gguf_converts_once_into_the_cache(tiny_model, tmp_path, cache_home, capsys):
+def test_gguf_converts_once_into_the_cache(tiny_model, tmp_path, cache_home, capsys, monkeypatch):
     source = write_gguf(tiny_model, tmp_path / "tiny.gguf")
     converted = resolve_model(source, progress=False)
     assert converted.parent == cache_home / "pagedchat" / "models" and converted.name.startswith("tiny-")
@@ -252,9 +251,22 @@ def test_gguf_converts_once_into_the_cache(tiny_model, tmp_path, cache_home, cap
         torch.testing.assert_close(got, want.to(torch.bfloat16).float(), msg=name)
     assert tokenizer.decode(tokenizer("héllo")["input_ids"]) == "héllo"
 
-    started = time.monotonic()
-    assert resolve_model(source, progress=False) == converted
-    assert time.monotonic() - started < 2
+    forbid_reading_gguf(monkeypatch)
+    assert resolve_model(source, progress=False) == converted  # from the cache: the GGUF is not parsed again
+    model, _ = load_model(converted, torch.float32, torch.device("cpu"))  # and the folder loads without it
+
+
+def forbid_reading_gguf(monkeypatch) -> None:
+    """From now on in this test, converting or parsing a GGUF fails the test: what is cached must be
+    loaded from its safetensors folder."""
+    from transformers import modeling_gguf_pytorch_utils
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a GGUF was converted or parsed again")
+
+    monkeypatch.setattr(loader, "_write_converted", forbidden)
+    monkeypatch.setattr(gguf, "GGUFReader", forbidden)
+    monkeypatch.setattr(modeling_gguf_pytorch_utils, "load_gguf_checkpoint", forbidden)
 
 
 def test_conversion_shows_progress(tiny_model, tmp_path, capsys):
@@ -276,21 +288,17 @@ def test_interrupted_conversion_leaves_nothing(tiny_model, tmp_path, cache_home,
 
 
 @pytest.mark.slow
-def test_default_model_converts_and_reloads_from_cache():
+def test_default_model_converts_and_reloads_from_cache(cache_home, monkeypatch):
     if loader._find_default_model() is None:
         pytest.skip(f"{loader.DEFAULT_MODEL_PACKAGE} is not installed")
-    started = time.monotonic()
     path = resolve_model(None, progress=False)
-    converted_in = time.monotonic() - started
+    assert path.parent == cache_home / "pagedchat" / "models" and list(path.glob("*.safetensors"))
     config = json.loads((path / "config.json").read_text())
     assert config["model_type"] == "llama" and "quantization_config" not in config
 
-    started = time.monotonic()
+    forbid_reading_gguf(monkeypatch)
     assert resolve_model(None, progress=False) == path
     model, tokenizer = load_model(path, torch.float32, torch.device("cpu"))
-    cached_in = time.monotonic() - started
-    print(f"default model: converted in {converted_in:.1f} s, cached resolve+load in {cached_in:.1f} s")
-    assert cached_in < 10
 
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")["input_ids"]
