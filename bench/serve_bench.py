@@ -1,0 +1,557 @@
+"""Serving: N concurrent streaming clients against `pagedchat serve`, llama.cpp's `llama-server` and
+vLLM CPU's OpenAI server, on the default model at one precision for all (issue 15).
+
+    python -m bench.peers setup                        # once: llama.cpp and vLLM CPU in their own venvs
+    python -m bench.serve_bench                        # N = 1, 4, 16; 128 tokens each; bf16
+    python -m bench.serve_bench --peers llama vllm --n 1 4 --max-tokens 32 --rounds 1
+    python -m bench.serve_bench --results bench/RESULTS.md   # and append the section there
+
+Every server runs as its own subprocess on 127.0.0.1 at a free port, one after another (none competes
+with another for the cores), started with as many slots / sequences as the largest N, waited for
+(`/health`), warmed up, then stopped (SIGTERM to its process group, SIGKILL after a timeout), also on
+errors. The clients are httpx tasks in one asyncio loop, all released at once: each POSTs
+`/v1/completions` with the same prompt token ids (bench/throughput.py's 16 chat prompts, cycled for
+N > 16), `max_tokens` fixed, greedy, EOS ignored, `stream: true` with `stream_options.include_usage`;
+a stream's tokens are its `usage.completion_tokens` (else its token chunks) and must equal `max_tokens`.
+Prefix caching is off everywhere, so every engine prefills every prompt token.
+
+- total tokens/s: all generated tokens / (last chunk received - first request sent), best of the rounds;
+- TTFT: send to the first chunk that carries a token, p50 / p95 over the streams of all rounds;
+- the HTTP layer: the same requests through pagedchat's `LLM.generate` in this process, its tokens/s
+  against `pagedchat serve`'s.
+"""
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench import peer_bench, peers
+from bench.common import Request, Section, Table, goal, header, load_average, load_llm
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PEERS = ("pagedchat", "llama", "vllm")
+LABELS = {"pagedchat": "pagedchat serve", "llama": "llama.cpp", "vllm": "vLLM CPU"}
+GOAL_N = 16  # the N of the goal lines
+TOKENS_GOAL = 1.0  # pagedchat serve's total tokens/s over the best peer's, at GOAL_N
+HTTP_GOAL = 0.95  # pagedchat serve's tokens/s over LLM.generate's on the same requests
+
+
+class PeerError(Exception):
+    """A server that did not start, answered wrongly or streamed the wrong number of tokens."""
+
+
+# ---- the statistics ---------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between the closest ranks (numpy's default)."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+@dataclass
+class Stream:
+    """One client's stream: when it was sent, its first token chunk arrived, its last byte arrived."""
+
+    sent: float
+    first: float | None = None
+    done: float | None = None
+    chunks: int = 0  # chunks that carry a token
+    usage: int | None = None  # completion_tokens of the usage chunk, where the server sent one
+
+    @property
+    def tokens(self) -> int:
+        return self.usage if self.usage is not None else self.chunks
+
+    @property
+    def ttft(self) -> float:
+        return (self.first if self.first is not None else float("nan")) - self.sent
+
+    def add(self, event: dict, now: float) -> None:
+        """Count one SSE event (a completion chunk, OpenAI format)."""
+        if event.get("error"):
+            error = event["error"]
+            raise PeerError(f"error event: {error.get('message', error) if isinstance(error, dict) else error}")
+        if event.get("usage"):
+            self.usage = event["usage"]["completion_tokens"]
+        for choice in event.get("choices") or []:
+            # a chunk that only says why the stream ended (llama.cpp's last one) carries no token
+            if choice.get("finish_reason") and not choice.get("text"):
+                continue
+            self.chunks += 1
+            if self.first is None:
+                self.first = now
+
+
+def parse_sse_line(line: str) -> dict | None:
+    """The JSON of one `data: ...` line of a server-sent event stream; None for anything else (blank
+    lines, comments, other fields, the closing `[DONE]`)."""
+    if not line.startswith("data:"):
+        return None
+    data = line[len("data:"):].strip()
+    if not data or data == "[DONE]":
+        return None
+    return json.loads(data)
+
+
+def read_stream(lines: Iterable[str], sent: float = 0.0, clock=None) -> Stream:
+    """A Stream from recorded SSE text (the same parsing as the live client)."""
+    stream = Stream(sent)
+    for line in lines:
+        if (event := parse_sse_line(line)) is not None:
+            stream.add(event, clock() if clock else 0.0)
+    return stream
+
+
+@dataclass
+class Round:
+    streams: list[Stream]
+
+    @property
+    def wall(self) -> float:
+        return max(s.done for s in self.streams) - min(s.sent for s in self.streams)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.streams)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / max(self.wall, 1e-9)
+
+
+@dataclass
+class Measured:
+    """One engine at one N: tokens/s is the best round's, TTFT over every stream of every round."""
+
+    tok_s: float
+    ttft_ms: list[float] = field(default_factory=list)
+
+    @property
+    def p50(self) -> float:
+        return percentile(self.ttft_ms, 50)
+
+    @property
+    def p95(self) -> float:
+        return percentile(self.ttft_ms, 95)
+
+    @classmethod
+    def of(cls, rounds: Sequence[Round]) -> "Measured":
+        return cls(max(r.tok_s for r in rounds), [s.ttft * 1e3 for r in rounds for s in r.streams])
+
+
+# ---- the workload -----------------------------------------------------------------------------------
+
+
+def workload(tokenizer, n: int, max_tokens: int) -> list[Request]:
+    """n chat prompts (the 16 of bench/throughput.py, cycled), each generating max_tokens."""
+    from bench.throughput import chat_requests
+
+    chats = chat_requests(tokenizer, max_tokens)
+    return [chats[i % len(chats)] for i in range(n)]
+
+
+def body(request: Request, model: str) -> dict:
+    return {"model": model, "prompt": request.prompt, "max_tokens": request.output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "cache_prompt": False}  # llama.cpp's own prefix reuse off, like the others' prefix caching
+
+
+def check_counts(name: str, requests: Sequence[Request], streams: Sequence[Stream]) -> None:
+    for request, stream in zip(requests, streams):
+        if stream.tokens != request.output_len or stream.first is None:
+            raise PeerError(f"{name} streamed {stream.tokens} tokens ({stream.chunks} token chunks) "
+                            f"for max_tokens {request.output_len}")
+
+
+# ---- the clients ------------------------------------------------------------------------------------
+
+
+async def stream_one(client, url: str, payload: dict, go: asyncio.Event) -> Stream:
+    await go.wait()
+    stream = Stream(time.perf_counter())
+    async with client.stream("POST", url, json=payload) as response:
+        if response.status_code != 200:
+            text = (await response.aread()).decode(errors="replace")[:300]
+            raise PeerError(f"HTTP {response.status_code} from {url}: {text}")
+        async for line in response.aiter_lines():
+            if (event := parse_sse_line(line)) is not None:
+                stream.add(event, time.perf_counter())
+    stream.done = time.perf_counter()
+    return stream
+
+
+async def one_round(client, url: str, model: str, requests: Sequence[Request]) -> Round:
+    """Every request at once: the tasks wait on one event, set when all of them are waiting."""
+    go = asyncio.Event()
+    tasks = [asyncio.create_task(stream_one(client, url, body(r, model), go)) for r in requests]
+    await asyncio.sleep(0)
+    go.set()
+    return Round(list(await asyncio.gather(*tasks)))
+
+
+async def served_model(client, base: str) -> str:
+    """The name to send as `model`: the first the server lists (vLLM checks it)."""
+    try:
+        response = await client.get(base + "/v1/models")
+        return response.json()["data"][0]["id"]
+    except Exception:  # noqa: BLE001 - a server without the list takes any name
+        return "default"
+
+
+async def measure_server(base: str, workloads: dict[int, list[Request]], rounds: int, warmup_s: float,
+                         name: str) -> dict[int, Measured]:
+    import httpx
+
+    biggest = max(workloads)
+    limits = httpx.Limits(max_connections=biggest + 4, max_keepalive_connections=biggest + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800, connect=30), limits=limits) as client:
+        model, url = await served_model(client, base), base + "/v1/completions"
+        # warm-up: one chat alone for warmup_s (a background compile may finish), then the widest batch
+        started = time.perf_counter()
+        one = [Request(workloads[biggest][0].prompt, 16)]
+        while True:
+            check_counts(name, one, (await one_round(client, url, model, one)).streams)
+            if time.perf_counter() - started >= warmup_s:
+                break
+        wide = [Request(r.prompt, 4) for r in workloads[biggest]]
+        check_counts(name, wide, (await one_round(client, url, model, wide)).streams)
+        results = {}
+        for n, requests in workloads.items():
+            measured = []
+            for _ in range(rounds):
+                done = await one_round(client, url, model, requests)
+                check_counts(name, requests, done.streams)
+                measured.append(done)
+            results[n] = Measured.of(measured)
+            print(f"  {name} N={n}: {results[n].tok_s:.1f} tok/s, TTFT p50 {results[n].p50:.0f} ms, "
+                  f"p95 {results[n].p95:.0f} ms", flush=True)
+    return results
+
+
+# ---- the servers ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Settings:
+    dtype: str
+    threads: int
+    slots: int  # llama.cpp's slots, vLLM's and pagedchat's max sequences: the largest N
+    kv_tokens: int  # the KV budget of pagedchat and llama.cpp
+    max_model_len: int = 2048
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(peer: str, port: int, s: Settings) -> tuple[list[str], dict[str, str]]:
+    """The command line and extra environment of one peer's server on 127.0.0.1:port."""
+    if peer == "pagedchat":
+        command = [str(Path(sys.executable).parent / "pagedchat"), "serve", "--host", "127.0.0.1", "--port", str(port),
+                   "--device", "cpu", "--dtype", s.dtype, "--max-num-seqs", str(s.slots), "--num-blocks", str(s.kv_tokens // 16), "--no-prefix-caching"]
+        return command, {}
+    if peer == "llama":
+        if not peers.llama_ready():
+            raise PeerError("not built (python -m bench.peers setup)")
+        command = [str(peers.llama_binary("llama-server")), "-m", str(peers.gguf_path(peer_bench.GGUF_TYPES[s.dtype])),
+                   "-t", str(s.threads), "-c", str(s.kv_tokens), "-np", str(s.slots), "--host", "127.0.0.1",
+                   "--port", str(port), "--no-webui"]
+        return command, {}
+    if peer == "vllm":
+        if not peers.vllm_ready():
+            raise PeerError("not built (python -m bench.peers setup)")
+        from pagedchat.engine import loader
+
+        command = [str(peers.vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
+                   "--model", str(loader.resolve_model(None, progress=False)), "--dtype", s.dtype,
+                   "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.slots), "--seed", "0",
+                   "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port),
+                   "--disable-uvicorn-access-log", "--disable-log-stats"]
+        bind = f"0-{s.threads - 1}" if s.threads > 1 else "0"
+        return command, {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": bind}
+    raise ValueError(peer)
+
+
+def log_tail(path: Path, lines: int = 5) -> str:
+    try:
+        return " / ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def wait_healthy(base: str, process: subprocess.Popen, log: Path, timeout: float) -> float:
+    """Seconds until GET /health answers 200 (a 503 means still loading); PeerError if the server
+    exits or the time runs out."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout:
+        if process.poll() is not None:
+            raise PeerError(f"exited with {process.returncode} before it was healthy: {log_tail(log)}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return time.perf_counter() - started
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise PeerError(f"not healthy after {timeout:.0f} s: {log_tail(log)}")
+
+
+def stop(process: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM to the server's process group (vLLM's engine runs in a child), SIGKILL after `timeout`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig == signal.SIGTERM:  # the leader is gone: kill what it may have left in its group
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return
+
+
+def run_server(peer: str, s: Settings, workloads: dict[int, list[Request]], rounds: int, warmup_s: float,
+               start_timeout: float) -> dict:
+    """One peer's server, started, measured at every N and stopped; {"error": ...} where it failed."""
+    try:
+        command, env = server_command(peer, free_port(), s)
+    except PeerError as error:
+        return {"error": str(error)}
+    port = int(command[command.index("--port") + 1])
+    base = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.mkstemp(prefix=f"serve-bench-{peer}-", suffix=".log")[1])
+    print(f"{LABELS[peer]}: {' '.join(command)} (log {log})", flush=True)
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env={**os.environ, **env}, cwd=ROOT, start_new_session=True)
+    try:
+        load_s = wait_healthy(base, process, log, start_timeout)
+        measured = asyncio.run(measure_server(base, workloads, rounds, warmup_s, LABELS[peer]))
+        return {"load_s": load_s, "command": command, "env": env, "measured": measured}
+    except Exception as error:  # noqa: BLE001 - one peer's failure is reported, the others still run
+        return {"error": f"{type(error).__name__}: {error}"}
+    finally:
+        stop(process)
+        if process.returncode not in (None, 0, -signal.SIGTERM, -signal.SIGKILL):
+            print(f"  {LABELS[peer]} exited with {process.returncode}: {log_tail(log)}", flush=True)
+
+
+def run_generate(s: Settings, workloads: dict[int, list[Request]], rounds: int, warmup_s: float) -> dict:
+    """The same requests through pagedchat's `LLM.generate` in this process, set up like the server
+    (same KV pool, max sequences, no prefix caching, the engine's own thread policy), warmed up alike."""
+    from pagedchat import SamplingParams
+
+    llm = load_llm(None, s.dtype, num_threads=None, num_kv_blocks=s.kv_tokens // 16, max_num_seqs=s.slots,
+                   enable_prefix_caching=False)
+    try:
+        def generate(requests: Sequence[Request]) -> float:
+            params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+            start = time.perf_counter()
+            outputs = llm.generate([r.prompt for r in requests], params)
+            wall = time.perf_counter() - start
+            counts = [len(o.token_ids) for o in outputs]
+            if counts != [r.output_len for r in requests]:
+                raise PeerError(f"LLM.generate made {counts} tokens")
+            return sum(counts) / wall
+
+        compiled = llm.engine.runner.compiled
+        if compiled is not None:  # the server's compile runs while it loads and warms up; here, waited for
+            compiled.wait(timeout=900)
+        biggest = max(workloads)
+        started = time.perf_counter()
+        while True:
+            generate([Request(workloads[biggest][0].prompt, 16)])
+            if time.perf_counter() - started >= warmup_s:
+                break
+        generate([Request(r.prompt, 4) for r in workloads[biggest]])
+        results = {}
+        for n, requests in workloads.items():
+            results[n] = max(generate(requests) for _ in range(rounds))
+            print(f"  LLM.generate N={n}: {results[n]:.1f} tok/s", flush=True)
+        return {"measured": results}
+    except Exception as error:  # noqa: BLE001
+        return {"error": f"{type(error).__name__}: {error}"}
+    finally:
+        if llm.engine.runner.compiled is not None:  # a compile thread alive at exit aborts the interpreter
+            llm.engine.runner.compiled.wait(timeout=900)
+        del llm
+        gc.collect()
+
+
+# ---- the report -------------------------------------------------------------------------------------
+
+
+def llama_version() -> str:
+    try:
+        done = subprocess.run([str(peers.llama_binary("llama-server")), "--version"], capture_output=True,
+                              text=True, timeout=30)
+        line = next(l for l in (done.stdout + done.stderr).splitlines() if l.startswith("version:"))
+        return line.split(":", 1)[1].strip()
+    except (OSError, StopIteration, subprocess.SubprocessError):
+        return "unknown"
+
+
+def ratio(a: float, b: float) -> object:
+    return a / b if a == a and b == b and b else "n/a"  # NaN-safe
+
+
+def serve_table(ns: Sequence[int], servers: dict[str, dict]) -> tuple[Table, dict[int, float | None]]:
+    """A row per N and engine; ratios against the best peer (llama.cpp or vLLM) at that N: its
+    tokens/s (highest) and TTFT p50 (lowest). Also pagedchat serve / best peer tokens/s per N."""
+    rows, vs_best = [], {}
+    for n in ns:
+        got = {p: r["measured"][n] for p, r in servers.items() if "measured" in r}
+        others = [m for p, m in got.items() if p != "pagedchat"]
+        best_tok = max((m.tok_s for m in others), default=float("nan"))
+        best_ttft = min((m.p50 for m in others), default=float("nan"))
+        for peer in servers:
+            if peer not in got:
+                rows.append([n, LABELS[peer], "n/a", "n/a", "n/a", "n/a", "n/a"])
+                continue
+            m = got[peer]
+            rows.append([n, LABELS[peer], m.tok_s, m.p50, m.p95, ratio(m.tok_s, best_tok), ratio(m.p50, best_ttft)])
+        vs_best[n] = ratio(got["pagedchat"].tok_s, best_tok) if "pagedchat" in got and others else None
+    headers = ["N", "engine", "total tokens/s", "TTFT p50 ms", "TTFT p95 ms", "tokens/s / best peer",
+               "TTFT p50 / best peer"]
+    return Table(headers, rows, "N concurrent streaming clients (tokens/s: higher is better; TTFT: lower)"), vs_best
+
+
+def http_table(ns: Sequence[int], serve: dict, generate: dict) -> tuple[Table, dict[int, object]]:
+    rows, ratios = [], {}
+    for n in ns:
+        ours = serve["measured"][n].tok_s if "measured" in serve else float("nan")
+        bare = generate["measured"][n] if "measured" in generate else float("nan")
+        ratios[n] = ratio(ours, bare)
+        met = isinstance(ratios[n], float) and ratios[n] >= HTTP_GOAL
+        rows.append([n, bare, ours, ratios[n], "met" if met else "MISSED"])
+    headers = ["N", "LLM.generate tokens/s", "pagedchat serve tokens/s", "serve / generate",
+               f"goal >= {HTTP_GOAL:g}"]
+    return Table(headers, rows, "the HTTP layer: the same requests through LLM.generate in-process"), ratios
+
+
+def machine_header(s: Settings) -> str:
+    """bench/common.py's header (machine, load average now, versions) with the engines and settings."""
+    return header({
+        "engines": f"llama.cpp: llama-server {llama_version()} (vendored in {peers.LLAMA_CPP_PYTHON}, GGML_NATIVE); "
+                   f"vLLM: {peers.VLLM_CPU}",
+        "settings": f"{s.dtype} for all (llama.cpp on the {peer_bench.GGUF_TYPES[s.dtype]} GGUF made from the "
+                    f"shipped Q4_1, the weights pagedchat loads); {s.threads} threads for llama.cpp and vLLM "
+                    f"(VLLM_CPU_OMP_THREADS_BIND), pagedchat's own thread policy; {s.slots} slots / max sequences; "
+                    f"KV budget {s.kv_tokens} tokens for pagedchat and llama.cpp (vLLM: VLLM_CPU_KVCACHE_SPACE=1 GiB); "
+                    "prefix caching off everywhere",
+    })
+
+
+def section(args, machine: str, workloads: dict[int, list[Request]], servers: dict[str, dict],
+            generate: dict | None, seconds: float) -> Section:
+    prompts = [len(r.prompt) for r in workloads[max(workloads)]]
+    sec = Section("Serving: N concurrent streaming clients, pagedchat serve against llama-server and vLLM CPU "
+                  "(issue 15)")
+    sec.settings = [line[2:] for line in machine.splitlines() if line.startswith("- ")]
+    sec.settings += [
+        f"load average at end: {load_average()}",
+        f"workload: N streaming clients released at once (httpx, one asyncio loop in the bench process, on the same "
+        f"cores) POST /v1/completions: the 16 chat prompts of bench/throughput.py ({min(prompts)}..{max(prompts)} "
+        f"tokens) as token ids, cycled for N > 16; max_tokens {args.max_tokens}, temperature 0, ignore_eos; "
+        f"every stream checked to carry exactly max_tokens tokens",
+        f"total tokens/s = generated tokens / (last chunk - first send), best of {args.rounds} rounds; TTFT = send to "
+        f"the first token chunk, p50/p95 over the {args.rounds} x N streams; warm-up per server: one chat for "
+        f"{args.warmup_s:g} s, then {max(workloads)} x 4 tokens",
+        "server start to healthy: " + ", ".join(
+            f"{LABELS[p]} {r['load_s']:.0f} s" for p, r in servers.items() if "load_s" in r),
+    ]
+    table, vs_best = serve_table(args.n, servers)
+    sec.tables.append(table)
+    goal_n = GOAL_N if GOAL_N in args.n else max(args.n)
+    goal_line = f"at N = {goal_n}, pagedchat serve at least matches the best peer's total tokens/s"
+    if isinstance(vs_best.get(goal_n), float):
+        sec.notes.append(f"{goal_line}: " + goal("pagedchat serve / best peer", vs_best[goal_n], TOKENS_GOAL))
+    else:
+        sec.notes.append(f"{goal_line}: not measured")
+    if generate is not None:
+        table, ratios = http_table(args.n, servers.get("pagedchat", {}), generate)
+        sec.tables.append(table)
+        line = "the HTTP layer costs under 5% of tokens/s against the same load through LLM.generate"
+        if isinstance(ratios.get(goal_n), float):
+            sec.notes.append(f"{line}: at N = {goal_n}, " + goal("serve / generate", ratios[goal_n], HTTP_GOAL))
+        else:
+            sec.notes.append(f"{line}: not measured")
+    errors = [(LABELS[p], r["error"]) for p, r in servers.items() if "error" in r]
+    if generate is not None and "error" in generate:
+        errors.append(("LLM.generate", generate["error"]))
+    sec.notes += [f"not measured: {name}: {error}" for name, error in errors]
+    sec.seconds = seconds
+    return sec
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
+    parser.add_argument("--n", nargs="+", type=int, default=[1, 4, 16], help="concurrent clients")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=list(peer_bench.GGUF_TYPES))
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's and vLLM's threads")
+    parser.add_argument("--warmup-s", type=float, default=45.0,
+                        help="seconds of one-chat warm-up per server (pagedchat compiles its one-chat step)")
+    parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds for a server to be healthy")
+    parser.add_argument("--no-generate", action="store_true", help="skip the LLM.generate (HTTP layer) table")
+    parser.add_argument("--results", type=Path, help="append the section to this Markdown file")
+    args = parser.parse_args(argv)
+    args.n = sorted(set(args.n))
+    from transformers import AutoTokenizer
+
+    from pagedchat.engine import loader
+
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(loader.resolve_model(None, progress=False))
+    workloads = {n: workload(tokenizer, n, args.max_tokens) for n in args.n}
+    longest = max(len(r.prompt) for r in workloads[max(args.n)]) + args.max_tokens
+    kv_tokens = max(peer_bench.KV_TOKENS, max(args.n) * 16 * math.ceil(longest / 16 + 1))
+    settings = Settings(args.dtype, args.threads, max(args.n), kv_tokens)
+    machine = machine_header(settings)
+    print(machine, flush=True)
+    servers = {}
+    for peer in [p for p in PEERS if p in args.peers]:
+        servers[peer] = run_server(peer, settings, workloads, args.rounds, args.warmup_s, args.start_timeout)
+        if "error" in servers[peer]:
+            print(f"  {LABELS[peer]}: {servers[peer]['error']}", flush=True)
+    generate = None
+    if "pagedchat" in args.peers and not args.no_generate:
+        generate = run_generate(settings, workloads, args.rounds, args.warmup_s)
+    sec = section(args, machine, workloads, servers, generate, time.perf_counter() - started)
+    print(sec.markdown())
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write("\n" + sec.markdown())
+
+
+if __name__ == "__main__":
+    main()
