@@ -31,14 +31,49 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"pagedchat: error: {message} (see pagedchat --help)\n")
 
 
+POOL_EPILOG = (f"The KV pool defaults to {DEFAULT_POOL_BLOCKS} blocks (of --block-size tokens) when neither "
+               "--num-blocks nor --kv-memory is given: for the default model (SmolLM2-135M-Instruct) "
+               "that is 8,192 tokens, about 190 MB in bfloat16.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="pagedchat",
-        description="Chat with a local LLM in several tabs at once and watch its paged KV cache live.",
-        epilog=f"The KV pool defaults to {DEFAULT_POOL_BLOCKS} blocks (of --block-size tokens) when neither "
-               "--num-blocks nor --kv-memory is given: for the default model (SmolLM2-135M-Instruct) "
-               "that is 8,192 tokens, about 190 MB in bfloat16. Keys: f1 in the app.",
+        description="Chat with a local LLM in several tabs at once and watch its paged KV cache live. "
+                    "`pagedchat serve --help`: the same engine as an OpenAI-compatible server.",
+        epilog=POOL_EPILOG + " Keys: f1 in the app.",
     )
+    add_engine_flags(parser)
+    parser.add_argument("--theme", default=DEFAULT_THEME, metavar="NAME",
+                        help=f"one of {', '.join(load_themes())} ({DEFAULT_THEME}); switch in the app with ctrl+p")
+    parser.add_argument("--demo", action="store_true",
+                        help="open tabs that chat by themselves from built-in prompts")
+    parser.add_argument("--no-history", action="store_true", help="do not save conversations")
+    parser.add_argument("--version", action="version", version=f"pagedchat {__version__}")
+    return parser
+
+
+def build_serve_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="pagedchat serve",
+        description="Serve the engine over OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models), "
+                    "with /health, /metrics, /tokenize, /detokenize, /v1/kv/snapshot and /v1/kv/events.",
+        epilog=POOL_EPILOG,
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="the address to bind (127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="the port (8000)")
+    parser.add_argument("--api-key", metavar="KEY", help="/v1/* requests must carry `Authorization: Bearer KEY`")
+    parser.add_argument("--served-model-name", metavar="NAME", help="the model id (default: the model folder's name)")
+    parser.add_argument("--session-idle", type=float, default=600.0, metavar="SECONDS",
+                        help="close a session idle this long (600)")
+    parser.add_argument("--max-sessions", type=int, default=64, metavar="N",
+                        help="sessions kept at once; the least recently used closes first (64)")
+    add_engine_flags(parser)
+    parser.set_defaults(theme=DEFAULT_THEME)
+    return parser
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="PATH",
                         help="a Hugging Face model folder or a .gguf file (default: SmolLM2-135M-Instruct, "
                              "installed on first use)")
@@ -62,13 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model and KV dtype (auto: bfloat16, float16 on a GPU without it)")
     parser.add_argument("--no-compile", action="store_true",
                         help="do not compile the decode step in the background (CPU; also PAGEDCHAT_COMPILE=0)")
-    parser.add_argument("--theme", default=DEFAULT_THEME, metavar="NAME",
-                        help=f"one of {', '.join(load_themes())} ({DEFAULT_THEME}); switch in the app with ctrl+p")
-    parser.add_argument("--demo", action="store_true",
-                        help="open tabs that chat by themselves from built-in prompts")
-    parser.add_argument("--no-history", action="store_true", help="do not save conversations")
-    parser.add_argument("--version", action="version", version=f"pagedchat {__version__}")
-    return parser
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -154,18 +182,25 @@ def log_to_file() -> Path:
     return path
 
 
+def checked_llm_kwargs(args: argparse.Namespace) -> dict:
+    check_flags(args)
+    from pagedchat.engine.errors import one_line
+    from pagedchat.engine.loader import ModelError
+
+    try:
+        return check_model(args)
+    except (ModelError, ValueError) as exc:
+        raise UsageError(one_line(exc)) from exc
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     log_path = log_to_file()
     try:
-        check_flags(args)
-        from pagedchat.engine.errors import one_line
-        from pagedchat.engine.loader import ModelError
-
-        try:
-            llm_kwargs = check_model(args)
-        except (ModelError, ValueError) as exc:
-            raise UsageError(one_line(exc)) from exc
+        llm_kwargs = checked_llm_kwargs(args)
         history = None if args.no_history else open_history()
     except UsageError as exc:
         print(f"pagedchat: error: {exc}", file=sys.stderr)
@@ -181,3 +216,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pagedchat: error: {app.load_error} (details in {log_path})", file=sys.stderr)
         return 1
     return app.return_code or 0
+
+
+def serve_main(argv: list[str]) -> int:
+    args = build_serve_parser().parse_args(argv)
+    log_path = log_to_file()
+    try:
+        if not 0 < args.port < 65536:
+            raise UsageError(f"--port must be in 1..65535, got {args.port}")
+        llm_kwargs = checked_llm_kwargs(args)
+        from pagedchat.serve.run import ServeConfig, serve
+    except ImportError as exc:
+        print(f"pagedchat: error: the server needs its extra: pip install 'pagedchat[serve]' ({exc.name} is missing)",
+              file=sys.stderr)
+        return 2
+    except UsageError as exc:
+        print(f"pagedchat: error: {exc}", file=sys.stderr)
+        return 2
+
+    from pagedchat.engine.errors import one_line
+    from pagedchat.engine.llm import LLM
+
+    config = ServeConfig(args.host, args.port, args.api_key, args.served_model_name or Path(llm_kwargs["model"]).name,
+                         args.session_idle, args.max_sessions)
+    print(f"pagedchat: loading {Path(llm_kwargs['model']).name}; /health answers 503 until it is ready", file=sys.stderr)
+    try:
+        serve(lambda: LLM(**llm_kwargs), config,
+              on_ready=lambda url: print(f"pagedchat: serving {config.model_name} on {url}/v1", file=sys.stderr))
+    except Exception as exc:
+        logging.getLogger(__name__).exception("the server failed")
+        print(f"pagedchat: error: {one_line(exc)} (details in {log_path})", file=sys.stderr)
+        return 1
+    return 0

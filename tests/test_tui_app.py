@@ -173,7 +173,8 @@ async def test_a_draft_typed_while_the_model_loads_waits_in_the_chat_box(make_ap
         gate.set()
         await loaded(pilot)
         box = app.current_pane.query_one(MessageBox)
-        assert box.text == "draft" and app.screen.focused is box
+        await wait_until(pilot, lambda: box.text == "draft", what="the draft to reach the tab")
+        assert app.screen.focused is box
         assert not app.current_pane.conversation.turns
 
 
@@ -416,6 +417,8 @@ def test_whole_app_picture(snap_compare):
     async def loaded_and_still(pilot):
         await loaded(pilot)
         await wait_until(pilot, lambda: snapshot(pilot.app) is not None, what="the panel")
+        underline = pilot.app.query_one("#chats Underline")  # moved under the tab after a refresh
+        await wait_until(pilot, lambda: underline.highlight_end > 0, what="the tab's underline")
 
     app = PagedChatApp(frozen_llm(picture), theme="harbor")
     app.animation_level = "none"  # the tab underline in place, not caught sliding there

@@ -11,7 +11,8 @@ from test_tui_support import make_snapshot
 
 from pagedchat.engine.outputs import CompletionOutput, RequestOutput
 from pagedchat.engine.params import SamplingParams
-from pagedchat.tui.worker import GIL_SWITCH_INTERVAL_S, EngineError, EngineOutput, EngineWorker
+from pagedchat.engine.engine_thread import GIL_SWITCH_INTERVAL_S
+from pagedchat.tui.worker import EngineError, EngineOutput, EngineWorker
 
 PARAMS = SamplingParams(max_tokens=4)
 

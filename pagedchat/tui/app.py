@@ -163,12 +163,14 @@ class PagedChatApp(App):
             typed = self._close_loading()
             self.push_screen(RestoreScreen(saved), lambda restore: self._restore(saved, restore, typed))
             return
-        # The first tabs open under the loading screen, whose message box takes the keys meanwhile.
+        # The first tabs open once the loading screen is gone: a tab added under it could be measured
+        # before the main screen's layout, and its tab bar's underline then stayed at zero width.
+        typed = self._close_loading()
         if self._demo_on:
             await self._start_demo()
         else:
             await self.action_new_chat()
-        self._carry_over(*self._close_loading())
+        self._carry_over(*typed)
 
     def _load_with_tokenizer(self) -> tuple[object, object]:
         """The LLM, and the UI thread's own copy of its tokenizer: the engine thread decodes with the

@@ -1,0 +1,80 @@
+"""The engine thread as the server's event loop sees it: each request's outputs on an asyncio queue."""
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pagedchat.engine.engine_thread import EngineThread
+from pagedchat.engine.outputs import RequestOutput
+from pagedchat.engine.params import SamplingParams
+
+
+class EngineFailure(Exception):
+    """A command or a step failed for this request."""
+
+
+class LoopPost:
+    """Hands items to asyncio queues from the engine thread, waking the loop once for all that one step
+    produced rather than once per request."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, object]] = []
+
+    def put(self, queue: asyncio.Queue, item: object) -> None:
+        with self._lock:
+            self._pending.append((queue, item))
+            wake = len(self._pending) == 1
+        if wake and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, item in pending:
+            queue.put_nowait(item)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSink:
+    post: LoopPost
+    queue: asyncio.Queue
+
+    def output(self, output: RequestOutput) -> None:
+        self.post.put(self.queue, output)
+
+    def error(self, request_id: str, error: str) -> None:
+        self.post.put(self.queue, EngineFailure(error))
+
+
+class AsyncEngine:
+    def __init__(self, thread: EngineThread, loop: asyncio.AbstractEventLoop) -> None:
+        self.thread = thread
+        self._post = LoopPost(loop)
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, keep: bool = False,
+                       continued: bool = False) -> AsyncIterator[RequestOutput]:
+        """Every output of the request until its last; a new request, or the next turn of a kept one.
+        Leaving early (a client gone) stops it at once: aborted, or closed if it was kept."""
+        queue: asyncio.Queue = asyncio.Queue()
+        sink = QueueSink(self._post, queue)
+        if continued:
+            self.thread.continue_(request_id, prompt, params, sink)
+        else:
+            self.thread.add(request_id, prompt, params, sink, keep=keep)
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                finished = isinstance(item, EngineFailure) or item.finished
+                if isinstance(item, EngineFailure):  # the engine thread has already stopped it
+                    raise item
+                yield item
+        finally:
+            if not finished:
+                (self.thread.close if keep else self.thread.abort)(request_id)
+
+    def close(self, request_id: str) -> None:
+        self.thread.close(request_id)

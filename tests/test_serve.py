@@ -1,0 +1,350 @@
+"""`pagedchat serve` on 127.0.0.1 with the tiny model, driven by real clients: the openai SDK and raw HTTP.
+
+Every request loop is bounded; every wait has a deadline.
+"""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from test_engine import make_llm
+
+from pagedchat import SamplingParams
+from pagedchat.engine.chat import ChatSession
+from pagedchat.serve.run import ServeConfig, make_server
+
+KEY = "test-key"
+POOL = dict(block_size=4, num_kv_blocks=96, max_num_seqs=4, max_num_batched_tokens=32)
+GREEDY = dict(temperature=0.0)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(condition, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+class Live:
+    """A server in a thread of this process: its URL, its state and the engine thread behind it."""
+
+    def __init__(self, tiny_model) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server, self.state = make_server(lambda: make_llm(tiny_model, **POOL),
+                                              ServeConfig(port=self.port, api_key=KEY, model_name="tiny"),
+                                              on_ready=lambda url: None)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.state.served is not None, "the model to load", 120)
+        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+    @property
+    def engine_thread(self):
+        return self.state.served.engine.thread
+
+    def snapshot(self) -> dict:
+        return self.http.get("/v1/kv/snapshot").json()
+
+    def wait_until_idle(self) -> dict:
+        """The pool once nothing runs or waits: every block free (the prefix cache counts as free)."""
+        def idle() -> bool:
+            snap = self.snapshot()
+            return snap["num_running"] == snap["num_waiting"] == 0 and snap["num_free_blocks"] == snap["num_blocks"]
+        wait_for(idle, "the pool to be whole")
+        return self.snapshot()
+
+    def stop(self) -> None:
+        self.http.close()
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model):
+    server = Live(tiny_model)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    return make_llm(tiny_model, **POOL)
+
+
+def test_chat_equals_llm_chat_token_for_token(live, reference):
+    messages = [{"role": "user", "content": "Tell me about paged attention."}]
+    expected = reference.chat(messages, SamplingParams(max_tokens=12, **GREEDY))[0]
+    whole = live.client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                                extra_body={"return_token_ids": True})
+    assert whole.choices[0].token_ids == expected.token_ids
+    assert whole.choices[0].message.content == expected.text
+    assert whole.usage.prompt_tokens == len(expected.prompt_token_ids) and whole.usage.completion_tokens == 12
+    assert whole.id in whole.id and whole.id.startswith("chatcmpl-")
+
+    chunks = list(live.client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"return_token_ids": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = [t for c in chunks for choice in c.choices for t in (getattr(choice, "token_ids", None) or [])]
+    assert streamed == expected.token_ids
+    assert "".join(choice.delta.content or "" for c in chunks for choice in c.choices) == expected.text
+    assert [choice.finish_reason for c in chunks for choice in c.choices if choice.finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    live.wait_until_idle()
+
+
+def test_completions_take_token_ids_and_text(live, reference):
+    prompt = list(range(60, 80))
+    expected = reference.generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0]
+    out = live.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                   "return_token_ids": True}).json()
+    assert out["object"] == "text_completion" and out["choices"][0]["token_ids"] == expected.token_ids
+    text = live.client.completions.create(model="tiny", prompt="abc", max_tokens=3, temperature=0)
+    assert text.usage.prompt_tokens == 3 and text.usage.completion_tokens == 3  # byte-level: one token a byte
+
+
+def test_n_samples_and_seeds(live):
+    out = live.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=6, n=2, seed=5, temperature=1.0)
+    again = live.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=6, n=2, seed=5, temperature=1.0)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.message.content for c in out.choices] == [c.message.content for c in again.choices]
+    assert out.usage.completion_tokens == 12
+    live.wait_until_idle()
+
+
+def test_a_session_continues_and_its_second_turn_is_served_from_its_blocks(live, reference):
+    messages = [{"role": "user", "content": "First question?"}]
+    first = live.client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                                extra_body={"session_id": "s1", "return_token_ids": True})
+    snap = live.snapshot()
+    assert [r["request_id"] for r in snap["requests"]] == [first.id]  # kept: parked with its blocks
+    assert snap["requests"][0]["status"] == "parked"
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And a second one?"}]
+    second = live.client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                                 extra_body={"session_id": "s1"})
+    assert second.id == first.id, "the same engine request goes on"
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    # The reply's own tokens, not its text re-tokenized, are the history (as in the app's ChatSession).
+    chat = ChatSession(reference.get_tokenizer())
+    chat.user_turn(messages[0]["content"])
+    chat.add_reply(first.choices[0].token_ids, first.choices[0].message.content)
+    chat.user_turn(messages[2]["content"])
+    assert second.usage.prompt_tokens == chat.num_tokens
+
+    other = live.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "New topic"}],
+                                                max_tokens=4, temperature=0,
+                                                extra_body={"session_id": "s1"})
+    assert other.id != first.id, "another history starts a new request"
+    assert first.id not in [r["request_id"] for r in live.snapshot()["requests"]], "the old one is closed"
+    live.state.served.sessions.close("s1")
+    live.wait_until_idle()
+
+
+def test_sixteen_streaming_clients_all_finish_and_the_pool_is_whole(live):
+    async def one(client: openai.AsyncOpenAI, number: int) -> tuple[str, int]:
+        stream = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"Client {number} says hello"}], max_tokens=10,
+            temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        reasons, used = [], 0
+        async for chunk in stream:
+            reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
+            used = chunk.usage.completion_tokens if chunk.usage else used
+        return reasons, used
+
+    async def all_of_them():
+        client = openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(one(client, n) for n in range(16)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(all_of_them())
+    assert results == [(["length"], 10)] * 16
+    snap = live.wait_until_idle()
+    assert snap["requests"] == []
+
+
+def streaming_request(live, body: dict) -> httpx.Response:
+    """A streaming request whose response the caller reads a little of, then closes (a disconnect)."""
+    client = httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    request = client.build_request("POST", "/v1/chat/completions", json=body | {"stream": True})
+    return client, client.send(request, stream=True)
+
+
+def stopped_and_freed(live) -> None:
+    """Nothing runs or waits and every block is free. The engine is paused: the request is stopped by
+    the disconnect alone (it is forgotten at the next step, which reports its end)."""
+    def done() -> bool:
+        snap = live.snapshot()
+        return (snap["num_running"] == snap["num_waiting"] == 0 and snap["num_free_blocks"] == snap["num_blocks"]
+                and all(r["status"] == "finished" and not r["block_table"] for r in snap["requests"]))
+    wait_for(done, "the request to stop and its blocks to be free")
+
+
+def test_a_client_that_leaves_mid_decode_frees_its_blocks_at_once(live):
+    client, response = streaming_request(live, {"messages": [{"role": "user", "content": "Talk for long"}],
+                                                "max_tokens": 300, "ignore_eos": True, "temperature": 0})
+    assert response.status_code == 200
+    lines = response.iter_lines()
+    for _ in range(3):  # the role, then content: decoding has begun
+        while not next(lines).startswith("data: "):
+            pass
+    engine = live.engine_thread
+    engine.set_paused(True)
+    try:
+        assert any(r["status"] == "running" for r in live.snapshot()["requests"])
+        response.close()
+        client.close()
+        stopped_and_freed(live)
+    finally:
+        engine.set_paused(False)
+
+
+def test_a_client_that_leaves_during_a_chunked_prefill_frees_its_blocks(live):
+    engine = live.engine_thread
+    engine.set_paused(True)
+    try:
+        long_message = "x" * 200  # 200 byte tokens: chunks of max_num_batched_tokens = 32
+        client, response = streaming_request(live, {"messages": [{"role": "user", "content": long_message}],
+                                                    "max_tokens": 5, "temperature": 0})
+        wait_for(lambda: live.snapshot()["num_waiting"] == 1, "the request to arrive")
+        for step in range(2):
+            engine.step_once()
+        wait_for(lambda: (r := live.snapshot()["requests"]) and 0 < r[0]["num_computed_tokens"] < 200, "a part-prefill")
+        response.close()
+        client.close()
+        stopped_and_freed(live)
+    finally:
+        engine.set_paused(False)
+
+
+def test_a_client_that_leaves_while_waiting_in_the_queue_is_dropped(live):
+    engine = live.engine_thread
+    engine.set_paused(True)
+    try:
+        client, response = streaming_request(live, {"messages": [{"role": "user", "content": "queued"}],
+                                                    "max_tokens": 5})
+        wait_for(lambda: live.snapshot()["num_waiting"] == 1, "the request to wait")
+        response.close()
+        client.close()
+        stopped_and_freed(live)
+    finally:
+        engine.set_paused(False)
+
+
+def test_a_non_streamed_client_that_leaves_ends_its_request(live):
+    engine = live.engine_thread
+    engine.set_paused(True)
+    try:
+        done = threading.Event()
+
+        def leave_early() -> None:
+            with pytest.raises(httpx.ReadTimeout):
+                live.http.post("/v1/chat/completions", timeout=1.0, json={
+                    "messages": [{"role": "user", "content": "never answered"}], "max_tokens": 50})
+            done.set()
+
+        caller = threading.Thread(target=leave_early)
+        caller.start()
+        wait_for(lambda: live.snapshot()["num_waiting"] == 1, "the request to arrive")
+        caller.join(10)
+        assert done.is_set()
+        stopped_and_freed(live)
+    finally:
+        engine.set_paused(False)
+
+
+@pytest.mark.parametrize("case, status, param", [
+    ("bad json", 400, None),
+    ("unknown model", 404, "model"),
+    ("max_tokens past the context", 400, "max_tokens"),
+    ("prompt larger than the pool", 400, "messages"),
+    ("wrong key", 401, None),
+    ("schema", 400, "temperature"),
+    ("tools", 400, "tools"),
+])
+def test_bad_requests_get_one_error_object_and_the_server_goes_on(live, case, status, param):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    content = json.dumps({
+        "unknown model": chat | {"model": "gpt-4"},
+        "max_tokens past the context": chat | {"max_tokens": 10_000},
+        "prompt larger than the pool": chat | {"messages": [{"role": "user", "content": "y" * 500}]},
+        "schema": chat | {"temperature": "hot"},
+        "tools": chat | {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    }.get(case, chat))
+    if case == "bad json":
+        content = '{"messages": ['
+    if case == "wrong key":
+        headers["Authorization"] = "Bearer nope"
+    response = httpx.post(f"{live.url}/v1/chat/completions", content=content, headers=headers, timeout=30)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["code"] == status and error["message"] and error["param"] == param
+    assert live.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "ok?"}],
+                                               max_tokens=2).choices[0].finish_reason in ("stop", "length")
+
+
+def test_fields_that_ask_for_nothing_pass(live):
+    out = live.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": False, "tools": [],
+        "presence_penalty": 0, "response_format": {"type": "text"}, "some_future_field": 1})
+    assert out.status_code == 200
+
+
+def test_health_and_metrics_stay_open_and_metrics_parse(live):
+    assert httpx.get(f"{live.url}/health").status_code == 200
+    assert httpx.get(f"{live.url}/v1/models").status_code == 401
+    models = live.client.models.list().data
+    assert [m.id for m in models] == ["tiny"] and models[0].max_model_len == live.state.served.max_model_len
+    text = httpx.get(f"{live.url}/metrics").text
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+                 "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:cache_config_info"):
+        assert name in families, name
+    labels = families["vllm:cache_config_info"].samples[0].labels
+    assert labels["block_size"] == "4" and labels["num_gpu_blocks"] == "96"
+    assert families["vllm:generation_tokens"].samples[0].value > 0
+
+
+def test_tokenize_and_detokenize_round_trip(live):
+    tokens = live.http.post("/tokenize", json={"prompt": "héllo"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) == 6  # bytes
+    assert live.http.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "héllo"}
+
+
+def test_block_events_resume_from_a_seq_or_say_resync(live):
+    live.client.completions.create(model="tiny", prompt=[5, 6, 7, 8, 9], max_tokens=2)
+    events = live.snapshot()["events"]
+    since = events[-3]["seq"]
+    with live.http.stream("GET", "/v1/kv/events", params={"since": since}) as response:
+        got = []
+        for line in response.iter_lines():
+            if line.startswith("id: "):
+                got.append(int(line[4:]))
+            if len(got) == 2:
+                break
+    assert got == [events[-2]["seq"], events[-1]["seq"]]
+    with live.http.stream("GET", "/v1/kv/events", params={"since": -5}) as response:
+        first = next(line for line in response.iter_lines() if line)
+    assert first == "event: resync" or events[0]["seq"] == 0
+    blocks = live.snapshot()["blocks"]
+    assert all(b["block_hash"] is None or isinstance(b["block_hash"], str) for b in blocks)
