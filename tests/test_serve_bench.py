@@ -162,17 +162,22 @@ def test_stop_ends_the_whole_process_group():
 
 
 def fake_results(tok_s: dict[str, list[float]]) -> dict[str, dict]:
-    return {peer: {"measured": {n: Measured(v, [100.0 * (i + 1), 200.0 * (i + 1)]) for n, v in zip((1, 16), values)}}
+    return {peer: {"measured": {n: Measured(v, [100.0 * (i + 1), 200.0 * (i + 1)], [v * 0.9, v])
+                                for n, v in zip((1, 16), values)}}
             for i, (peer, values) in enumerate(tok_s.items())}
+
+
+def test_the_paired_ratio_is_the_median_of_back_to_back_rounds():
+    assert serve_bench.paired_ratio([10.0, 20.0, 30.0], [10.0, 10.0, 40.0]) == pytest.approx(1.0)
 
 
 def test_the_report_rates_each_engine_against_the_best_peer():
     servers = fake_results({"pagedchat": [20.0, 150.0], "llama": [30.0, 120.0], "vllm": [10.0, 100.0]})
     servers["vllm"] = {"error": "PeerError: not built"}
-    args = argparse.Namespace(n=[1, 16], max_tokens=64, rounds=2, warmup_s=5.0)
+    servers["pagedchat"]["generate"] = {1: [18.0, 21.0], 16: [140.0, 155.0]}
+    args = argparse.Namespace(n=[1, 16], max_tokens=64, rounds=2, warmup_s=5.0, no_generate=False)
     workloads = {1: [Request([1] * 37, 64)], 16: [Request([1] * 38, 64)] * 16}
-    generate = {"measured": {1: 21.0, 16: 155.0}}
-    sec = serve_bench.section(args, "- machine: test\n- versions: test\n", workloads, servers, generate, 1.0)
+    sec = serve_bench.section(args, "- machine: test\n- versions: test\n", workloads, servers, 1.0)
     text = sec.markdown()
     serve, http = sec.tables
     assert serve.headers[:5] == ["N", "engine", "total tokens/s", "TTFT p50 ms", "TTFT p95 ms"]
@@ -182,8 +187,10 @@ def test_the_report_rates_each_engine_against_the_best_peer():
     assert row[(1, "pagedchat serve")][5] == pytest.approx(20 / 30)
     assert row[(16, "vLLM CPU")][2] == "n/a"
     assert row[(16, "llama.cpp")][6] == pytest.approx(1.0) and row[(16, "pagedchat serve")][6] == pytest.approx(0.5)
+    # best / best, then the median of the paired rounds: (135 / 140 + 150 / 155) / 2
     assert [r[3] for r in http.rows] == pytest.approx([20 / 21, 150 / 155])
+    assert http.rows[1][4] == pytest.approx((135 / 140 + 150 / 155) / 2) and http.rows[1][5] == "met"
     assert "at N = 16, pagedchat serve at least matches the best peer's total tokens/s" in text
-    assert "1.25x -> met" in text and "0.97x -> met" in text
+    assert "1.25x -> met" in text and "serve / generate >= 0.95x: 0.97x -> met" in text
     assert "not measured: vLLM CPU: PeerError: not built" in text
     assert "- machine: test" in text and "| 16 | pagedchat serve | 150 |" in text
