@@ -68,6 +68,8 @@ def build_serve_parser() -> argparse.ArgumentParser:
                         help="close a session idle this long (600)")
     parser.add_argument("--max-sessions", type=int, default=64, metavar="N",
                         help="sessions kept at once; the least recently used closes first (64)")
+    parser.add_argument("--tui", action="store_true",
+                        help="open the app too: its tabs and the API's requests share one engine, drawn in its KV panel")
     add_engine_flags(parser)
     parser.set_defaults(theme=DEFAULT_THEME)
     return parser
@@ -237,8 +239,10 @@ def serve_main(argv: list[str]) -> int:
     from pagedchat.engine.errors import one_line
     from pagedchat.engine.llm import LLM
 
-    config = ServeConfig(args.host, args.port, args.api_key, args.served_model_name or Path(llm_kwargs["model"]).name,
+    config = ServeConfig(args.host, args.port, args.api_key, args.served_model_name or model_id(args.model),
                          args.session_idle, args.max_sessions)
+    if args.tui:
+        return serve_with_app(llm_kwargs, config, log_path)
     print(f"pagedchat: loading {Path(llm_kwargs['model']).name}; /health answers 503 until it is ready", file=sys.stderr)
     try:
         serve(lambda: LLM(**llm_kwargs), config,
@@ -248,3 +252,29 @@ def serve_main(argv: list[str]) -> int:
         print(f"pagedchat: error: {one_line(exc)} (details in {log_path})", file=sys.stderr)
         return 1
     return 0
+
+
+def model_id(model: str | None) -> str:
+    """The served model's name: the folder's, or the GGUF file's stem (the default model is a GGUF)."""
+    from pagedchat.engine.loader import DEFAULT_MODEL_FILE
+
+    path = Path(model or DEFAULT_MODEL_FILE).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def serve_with_app(llm_kwargs: dict, config, log_path: Path) -> int:
+    from pagedchat.engine.llm import LLM
+    from pagedchat.serve.run import BackgroundServer
+    from pagedchat.tui.app import PagedChatApp
+
+    server = BackgroundServer(config)
+    server.start()
+    app = PagedChatApp(lambda: LLM(**llm_kwargs), model_name=config.model_name, on_engine=server.attach)
+    try:
+        app.run()
+    finally:
+        server.stop()
+    if app.load_error is not None:
+        print(f"pagedchat: error: {app.load_error} (details in {log_path})", file=sys.stderr)
+        return 1
+    return app.return_code or 0

@@ -22,7 +22,7 @@ from pagedchat.tui.loading_screen import LoadingScreen
 from pagedchat.tui.message_box import MessageBox
 from pagedchat.tui.restore_screen import RestoreScreen
 from pagedchat.tui.settings_screen import SettingsScreen
-from pagedchat.tui.worker import EngineWorker
+from pagedchat.engine.engine_thread import EngineThread
 
 SIZE = (160, 50)
 # ignore_eos: the random model may end a reply at once; these replies must run long enough to watch.
@@ -50,14 +50,14 @@ def make_app(tiny_model):
 def watched_worker(monkeypatch):
     """The app's engine thread gets a condition that tells when it sleeps with nothing to do
     (test_tui_worker.WatchedCondition): `idle(app.worker)`."""
-    monkeypatch.setattr("pagedchat.tui.app.EngineWorker", lambda *args, **kwargs: watch(EngineWorker(*args, **kwargs)))
+    monkeypatch.setattr("pagedchat.tui.app.EngineThread", lambda *args, **kwargs: watch(EngineThread(*args, **kwargs)))
 
 
 async def loaded(pilot) -> PagedChatApp:
     app = pilot.app
-    # The first tab opens under the loading screen, which then closes.
-    await wait_until(pilot, lambda: app.current_pane is not None and not isinstance(app.screen, LoadingScreen),
-                     what="the model to load")
+    # The loading screen closes, then the first tab opens.
+    await wait_until(pilot, lambda: app.current_pane is not None and not isinstance(app.screen, LoadingScreen)
+                     and app.current_pane.query(MessageBox), what="the model to load and the first tab to open")
     return app
 
 

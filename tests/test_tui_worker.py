@@ -11,8 +11,8 @@ from test_tui_support import make_snapshot
 
 from pagedchat.engine.outputs import CompletionOutput, RequestOutput
 from pagedchat.engine.params import SamplingParams
-from pagedchat.engine.engine_thread import GIL_SWITCH_INTERVAL_S
-from pagedchat.tui.worker import EngineError, EngineOutput, EngineWorker
+from pagedchat.engine.engine_thread import GIL_SWITCH_INTERVAL_S, EngineThread
+from pagedchat.tui.worker import EngineError, EngineOutput, WidgetSink
 
 PARAMS = SamplingParams(max_tokens=4)
 
@@ -75,6 +75,12 @@ class Sink:
             self.messages.append(message)
         return True
 
+    def output(self, output) -> None:  # the Sink protocol, as the app's panes take it
+        WidgetSink(self).output(output)
+
+    def error(self, request_id: str, error: str) -> None:
+        WidgetSink(self).error(request_id, error)
+
     def finished(self) -> bool:
         with self.lock:
             return any(isinstance(m, EngineError) or (isinstance(m, EngineOutput) and m.output.finished)
@@ -112,19 +118,19 @@ class WatchedCondition(threading.Condition):
         super().notify(n)
 
 
-def watch(worker: EngineWorker) -> EngineWorker:
+def watch(worker: EngineThread) -> EngineThread:
     """Give a worker, before it starts, a WatchedCondition in place of its own."""
     assert not worker._thread.is_alive()
     worker._cond = WatchedCondition()
     return worker
 
 
-def idle(worker: EngineWorker) -> bool:
+def idle(worker: EngineThread) -> bool:
     with worker._cond:
         return worker._cond.asleep
 
 
-def wait_idle(worker: EngineWorker) -> None:
+def wait_idle(worker: EngineThread) -> None:
     """Until the engine thread has taken in every call made so far and sleeps with nothing to do."""
     wait_for(lambda: idle(worker), what="the engine thread to go to sleep")
 
@@ -134,10 +140,10 @@ def started():
     """Start a (watched) worker on an engine; every worker is stopped at the end of the test, even one
     that fails, so that the GIL switch interval is Python's own again for the next test."""
     interval = sys.getswitchinterval()
-    workers: list[EngineWorker] = []
+    workers: list[EngineThread] = []
 
-    def start(engine) -> EngineWorker:
-        worker = watch(EngineWorker(engine))
+    def start(engine) -> EngineThread:
+        worker = watch(EngineThread(engine))
         workers.append(worker)
         worker.start()
         return worker

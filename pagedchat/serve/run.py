@@ -2,6 +2,8 @@
 
 import asyncio
 import copy
+import threading
+import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -32,8 +34,37 @@ def serve(load_llm: Callable[[], object], config: ServeConfig, on_ready: Callabl
         raise state.failure
 
 
-def make_server(load_llm: Callable[[], object], config: ServeConfig,
+class BackgroundServer:
+    """The server on a thread and event loop of its own, serving an engine thread that the app owns
+    (`serve --tui`: one engine thread for the app's tabs and the API's requests)."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.server, self.state = make_server(None, config)
+        self._thread = threading.Thread(target=self.server.run, name="pagedchat-server", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def attach(self, llm, engine_thread: EngineThread) -> None:
+        """Serve this engine thread from now on (called from any thread; 503 until then)."""
+        async def attach() -> None:
+            tokenizer = await asyncio.to_thread(copy.deepcopy, llm.get_tokenizer())
+            self.state.served = served_for(llm, engine_thread, tokenizer, self.config)
+
+        while self.state.loop is None and self._thread.is_alive():  # uvicorn starts in well under a second
+            time.sleep(0.01)
+        if self.state.loop is not None:
+            asyncio.run_coroutine_threadsafe(attach(), self.state.loop)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(10)
+
+
+def make_server(load_llm: Callable[[], object] | None, config: ServeConfig,
                 on_ready: Callable[[str], None] = print) -> tuple[uvicorn.Server, ServerState]:
+    """The server, and the state its endpoints read; it loads the model itself unless load_llm is None."""
     state = ServerState()
     threads: list[EngineThread] = []
 
@@ -44,12 +75,17 @@ def make_server(load_llm: Callable[[], object], config: ServeConfig,
 
     @asynccontextmanager
     async def lifespan(app):
-        loading = asyncio.create_task(load(state, load_llm, config, threads, on_ready))
-        loading.add_done_callback(stop_on_failure)
+        state.loop = asyncio.get_running_loop()
+        loading = asyncio.create_task(load(state, load_llm, config, threads, on_ready)) if load_llm else None
+        if loading is not None:
+            loading.add_done_callback(stop_on_failure)
+        expiring = asyncio.create_task(expire_sessions(state, config.session_idle_s))
         try:
             yield
         finally:
-            loading.cancel()
+            expiring.cancel()
+            if loading is not None:
+                loading.cancel()
             state.stopped = True
             for thread in threads:
                 thread.stop()
@@ -60,16 +96,28 @@ def make_server(load_llm: Callable[[], object], config: ServeConfig,
     return server, state
 
 
+async def expire_sessions(state: ServerState, idle_s: float) -> None:
+    while True:
+        await asyncio.sleep(min(1.0, idle_s / 2))
+        if state.served is not None:
+            state.served.sessions.expire()
+
+
 async def load(state: ServerState, load_llm, config: ServeConfig, threads: list, on_ready) -> None:
     llm = await asyncio.to_thread(load_llm)
     # The engine thread decodes with the engine's tokenizer; the event loop encodes with its own.
     tokenizer = await asyncio.to_thread(copy.deepcopy, llm.get_tokenizer())
-    engine = llm.engine
-    thread = EngineThread(engine)
+    thread = EngineThread(llm.engine)
     thread.start()
     threads.append(thread)
-    async_engine = AsyncEngine(thread, asyncio.get_running_loop())
-    max_len = min(engine.config.max_model_len, engine.config.num_kv_blocks * engine.config.block_size)
-    state.served = Served(async_engine, tokenizer, config.model_name, max_len,
-                          sessions=Sessions(tokenizer, async_engine.close, config.session_idle_s, config.max_sessions))
+    state.served = served_for(llm, thread, tokenizer, config)
     on_ready(f"http://{config.host}:{config.port}")
+
+
+def served_for(llm, thread: EngineThread, tokenizer, config: ServeConfig) -> Served:
+    """What the endpoints serve; called on the server's event loop."""
+    engine_config = llm.engine.config
+    async_engine = AsyncEngine(thread, asyncio.get_running_loop())
+    max_len = min(engine_config.max_model_len, engine_config.num_kv_blocks * engine_config.block_size)
+    return Served(async_engine, tokenizer, config.model_name, max_len,
+                  sessions=Sessions(tokenizer, async_engine.close, config.session_idle_s, config.max_sessions))

@@ -41,6 +41,7 @@ class ServerState:
     served: Served | None = None  # None while the model loads
     stopped: bool = False
     failure: BaseException | None = None  # why the model did not load
+    loop: asyncio.AbstractEventLoop | None = None  # the server's, once it runs
 
     def ready(self) -> Served:
         if self.served is None or self.stopped:

@@ -52,7 +52,7 @@ class Sessions:
         """The turn of session `key` these messages make, or None for a request outside any session."""
         if key is None or n > 1:
             return None
-        self._expire()
+        self.expire()
         said = [(m.role, m.text()) for m in messages]
         session = self._sessions.get(key)
         if session is not None and not session.busy and said[: len(session.messages)] == session.messages:
@@ -106,7 +106,8 @@ class Sessions:
                 chat.add_reply(self._tokenizer.encode(text, add_special_tokens=False), text)
         return chat
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
+        """Close the sessions idle longer than the limit."""
         now = time.monotonic()
         for key, session in list(self._sessions.items()):
             if not session.busy and now - session.used_at > self._idle_s:

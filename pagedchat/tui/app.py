@@ -5,6 +5,7 @@ import copy
 import gc
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from textual.widgets import Footer, TabbedContent, Tabs
 
 from pagedchat.engine.chat import ChatSession
 from pagedchat.engine.errors import one_line
+from pagedchat.engine.engine_thread import EngineThread
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.snapshot import KVSnapshot
 from pagedchat.history import History, SavedChat
@@ -37,7 +39,7 @@ from pagedchat.tui.message_box import MessageBox
 from pagedchat.tui.restore_screen import RestoreScreen
 from pagedchat.tui.settings_screen import SettingsScreen, TabSettings
 from pagedchat.tui.themes import DEFAULT_THEME, SESSION_COLOURS, SessionTag, load_themes
-from pagedchat.tui.worker import EngineWorker
+from pagedchat.tui.worker import WidgetSink
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +88,16 @@ class PagedChatApp(App):
 
     def __init__(self, load_llm: Callable[[], object], *, model_name: str = "the model",
                  theme: str = DEFAULT_THEME, demo: bool = False, params: SamplingParams = DEFAULT_PARAMS,
-                 history: History | None = None) -> None:
+                 history: History | None = None,
+                 on_engine: Callable[[object, EngineThread], None] | None = None) -> None:
+        """`on_engine(llm, worker)`: told once the engine thread runs (`serve --tui` serves it too)."""
         super().__init__()
         self.history = history  # None: nothing is saved (--no-history)
+        self._on_engine = on_engine
         for theme_obj in load_themes().values():
             self.register_theme(theme_obj)
         self.theme = theme
-        self.worker: EngineWorker | None = None
+        self.worker: EngineThread | None = None
         self.load_error: str | None = None  # why loading failed, for the one line the CLI prints
         self._load_llm = load_llm
         self._model_name = model_name
@@ -122,6 +127,7 @@ class PagedChatApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
+        self._ui_loop, self._ui_thread = asyncio.get_running_loop(), threading.get_ident()
         # kill -TERM, or the terminal closing (HUP): quit the normal way, so the terminal is restored.
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -155,17 +161,19 @@ class PagedChatApp(App):
         gc.freeze()
         engine = llm.engine
         self._max_len = engine.config.max_model_len
-        self.worker = EngineWorker(engine, on_command=self._wake)
+        self.worker = EngineThread(engine, on_command=self._wake)
         self.worker.start()
+        if self._on_engine is not None:
+            self._on_engine(llm, self.worker)
         self._poll_timer = self.set_interval(1 / POLL_HZ, self._poll)
         saved = self.history.open_chats() if self.history and not self._demo_on else []
         if saved:
-            typed = self._close_loading()
+            typed = await self._close_loading()
             self.push_screen(RestoreScreen(saved), lambda restore: self._restore(saved, restore, typed))
             return
         # The first tabs open once the loading screen is gone: a tab added under it could be measured
         # before the main screen's layout, and its tab bar's underline then stayed at zero width.
-        typed = self._close_loading()
+        typed = await self._close_loading()
         if self._demo_on:
             await self._start_demo()
         else:
@@ -178,12 +186,13 @@ class PagedChatApp(App):
         llm = self._load_llm()
         return llm, copy.deepcopy(llm.get_tokenizer())
 
-    def _close_loading(self) -> tuple[str, bool]:
-        """Pop the loading screen: what the user typed there, and whether they sent it."""
+    async def _close_loading(self) -> tuple[str, bool]:
+        """Pop the loading screen (the main screen has focus back once this returns): what the user
+        typed there, and whether they sent it."""
         loading = self.screen
         assert isinstance(loading, LoadingScreen)
         typed = loading.typed, loading.sent
-        self.pop_screen()
+        await self.pop_screen()
         return typed
 
     def _carry_over(self, text: str, sent: bool) -> None:
@@ -239,6 +248,8 @@ class PagedChatApp(App):
         label = self._tab_label(title, colour, conversation.num_tokens, "idle")
         pane = ChatPane(conversation, title, colour, self.worker, self._max_len, chat_record, label)
         self._panes[conversation.key] = pane
+        if self._snapshot is not None:  # the panel names and colours requests by their tabs
+            self.query_one(KVPanel).show(self._snapshot, self._tag_of, self._decode)
         await self._tabbed.add_pane(pane)
         self._tabbed.active = pane.id
         self._focus_box(pane)
@@ -277,7 +288,7 @@ class PagedChatApp(App):
         key = f"chat-{self._tabs_opened}"
         twin = source.conversation.fork(key)
         pane = await self._open(twin, f"{source.title}′")
-        self.worker.fork(source.conversation.request_id, twin.request_id, pane)
+        self.worker.fork(source.conversation.request_id, twin.request_id, WidgetSink(pane))
         if source.replying:
             pane.start_forked_reply(source.reply_text)
 
@@ -424,7 +435,7 @@ class PagedChatApp(App):
                 self._quiet_polls = 0
                 self.query_one(KVPanel).show(snapshot, self._tag_of, self._decode)
             elif not any(pane.replying for pane in self._panes.values()):
-                # The engine moves only on a command from this UI: after a quiet second, stop polling
+                # The engine moves only on a command (`_wake`): after a quiet second, stop polling
                 # until the next command (`_wake`), so an idle app costs nothing.
                 self._quiet_polls += 1
                 if self._quiet_polls > POLL_HZ:
@@ -432,6 +443,10 @@ class PagedChatApp(App):
             self._update_labels()
 
     def _wake(self) -> None:
+        """A command is on its way to the engine thread: from this UI, or (`serve --tui`) the server's."""
+        if threading.get_ident() != self._ui_thread:
+            self._ui_loop.call_soon_threadsafe(self._wake)
+            return
         self._quiet_polls = 0
         if self._poll_timer is not None:
             self._poll_timer.resume()

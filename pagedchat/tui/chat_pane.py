@@ -6,13 +6,14 @@ from textual.content import Content
 from textual.containers import VerticalScroll
 from textual.widgets import Button, Static, TabPane
 
+from pagedchat.engine.engine_thread import EngineThread
 from pagedchat.engine.outputs import CompletionOutput, RequestOutput
 from pagedchat.tui.chat_message import ChatMessage, visible
 from pagedchat.tui.chat_record import ChatRecord
 from pagedchat.tui.conversation import ContextFull, Conversation, MessageTooLong, Send
 from pagedchat.tui.message_box import MessageBox
 from pagedchat.tui.settings_screen import TabSettings
-from pagedchat.tui.worker import EngineError, EngineOutput, EngineWorker
+from pagedchat.tui.worker import EngineError, EngineOutput, WidgetSink
 
 FINISH_NOTES = {"abort": "stopped", "length": "max tokens reached"}
 
@@ -41,7 +42,7 @@ class ChatPane(TabPane):
     """
 
     def __init__(self, conversation: Conversation, title: str, colour: int,
-                 worker: EngineWorker | None = None, max_len: int | None = None,
+                 worker: EngineThread | None = None, max_len: int | None = None,
                  record: ChatRecord | None = None, label: Content | None = None) -> None:
         super().__init__(label or title, id=conversation.key)
         self.conversation = conversation
@@ -168,9 +169,9 @@ class ChatPane(TabPane):
     def _start_reply(self, send: Send) -> None:
         assert self.worker is not None
         if send.new_request:
-            self.worker.add(send.request_id, send.token_ids, self.conversation.params, self)
+            self.worker.add(send.request_id, send.token_ids, self.conversation.params, WidgetSink(self))
         else:
-            self.worker.continue_(send.request_id, send.token_ids, self.conversation.params, self)
+            self.worker.continue_(send.request_id, send.token_ids, self.conversation.params, WidgetSink(self))
         self._begin_reply("")
 
     def _begin_reply(self, text: str) -> None:

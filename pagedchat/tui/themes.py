@@ -31,8 +31,9 @@ class SessionTag(NamedTuple):
 
     @staticmethod
     def fallback(request_id: str) -> "SessionTag":
-        """For a request no tab owns: a stable colour from its id."""
-        return SessionTag(request_id, zlib.crc32(request_id.encode()) % SESSION_COLOURS)
+        """For a request no tab owns (an API client's): a stable colour from its id, a name cut to fit."""
+        name = request_id if len(request_id) <= 14 else request_id[:13] + "…"
+        return SessionTag(name, zlib.crc32(request_id.encode()) % SESSION_COLOURS)
 
 
 @cache

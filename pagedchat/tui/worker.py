@@ -1,4 +1,4 @@
-"""The engine thread as the app uses it: the end of each reply and every error arrive as Textual messages.
+"""The engine thread's news as the app takes it: the end of each reply and every error, as Textual messages.
 
 A reply in progress is polled (`progress`), since the UI draws at most a few times a second and a
 message per token costs the UI thread (and so the engine: they share the GIL) for nothing. The messages
@@ -11,9 +11,7 @@ from dataclasses import dataclass
 from textual.message import Message
 from textual.message_pump import MessagePump
 
-from pagedchat.engine.engine_thread import EngineThread
 from pagedchat.engine.outputs import RequestOutput
-from pagedchat.engine.params import SamplingParams
 
 
 class EngineOutput(Message):
@@ -45,17 +43,3 @@ class WidgetSink:
 
     def error(self, request_id: str, error: str) -> None:
         self.widget.post_message(EngineError(request_id, error))
-
-
-class EngineWorker(EngineThread):
-    """The engine thread, with widgets for sinks. Every public method is called from the UI thread."""
-
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams, sink: MessagePump) -> None:
-        """A new conversation: kept resident in the engine between turns (keep=True)."""
-        super().add(request_id, prompt, params, WidgetSink(sink))
-
-    def continue_(self, request_id: str, new_ids: list[int], params: SamplingParams, sink: MessagePump) -> None:
-        super().continue_(request_id, new_ids, params, WidgetSink(sink))
-
-    def fork(self, source_id: str, request_id: str, sink: MessagePump) -> None:
-        super().fork(source_id, request_id, WidgetSink(sink))
