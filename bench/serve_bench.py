@@ -125,6 +125,7 @@ def read_stream(lines: Iterable[str], sent: float = 0.0, clock=None) -> Stream:
 @dataclass
 class Round:
     streams: list[Stream]
+    client_cpu_s: float = 0.0  # this process's CPU seconds over the round: what the clients took of the cores
 
     @property
     def wall(self) -> float:
@@ -146,6 +147,7 @@ class Measured:
     tok_s: float
     ttft_ms: list[float] = field(default_factory=list)
     rounds_tok_s: list[float] = field(default_factory=list)  # in order, each round's
+    client_cpu: float = float("nan")  # the clients' CPU seconds over the rounds' wall seconds
 
     @property
     def p50(self) -> float:
@@ -158,7 +160,7 @@ class Measured:
     @classmethod
     def of(cls, rounds: Sequence[Round]) -> "Measured":
         return cls(max(r.tok_s for r in rounds), [s.ttft * 1e3 for r in rounds for s in r.streams],
-                   [r.tok_s for r in rounds])
+                   [r.tok_s for r in rounds], sum(r.client_cpu_s for r in rounds) / sum(r.wall for r in rounds))
 
 
 def paired_ratio(ours: Sequence[float], theirs: Sequence[float]) -> float:
@@ -213,8 +215,10 @@ async def one_round(client, url: str, model: str, requests: Sequence[Request]) -
     go = asyncio.Event()
     tasks = [asyncio.create_task(stream_one(client, url, body(r, model), go)) for r in requests]
     await asyncio.sleep(0)
+    cpu = time.process_time()
     go.set()
-    return Round(list(await asyncio.gather(*tasks)))
+    streams = list(await asyncio.gather(*tasks))
+    return Round(streams, time.process_time() - cpu)
 
 
 async def served_model(client, base: str) -> str:
@@ -416,6 +420,7 @@ class InProcess:
 
     def measure(self, n: int, requests: Sequence[Request]) -> None:
         self.results[n].append(self.run(requests))
+        self.wait_compiled()  # a compile the thread policy started must not run beside the server's round
 
     def close(self) -> None:
         self.wait_compiled()  # a compile thread still alive at exit aborts the interpreter
@@ -451,13 +456,14 @@ def serve_table(ns: Sequence[int], servers: dict[str, dict]) -> tuple[Table, dic
         best_ttft = min((m.p50 for m in others), default=float("nan"))
         for peer in servers:
             if peer not in got:
-                rows.append([n, LABELS[peer], "n/a", "n/a", "n/a", "n/a", "n/a"])
+                rows.append([n, LABELS[peer]] + ["n/a"] * 6)
                 continue
             m = got[peer]
-            rows.append([n, LABELS[peer], m.tok_s, m.p50, m.p95, ratio(m.tok_s, best_tok), ratio(m.p50, best_ttft)])
+            rows.append([n, LABELS[peer], m.tok_s, m.p50, m.p95, ratio(m.tok_s, best_tok), ratio(m.p50, best_ttft),
+                         f"{m.client_cpu:.0%}"])
         vs_best[n] = ratio(got["pagedchat"].tok_s, best_tok) if "pagedchat" in got and others else None
     headers = ["N", "engine", "total tokens/s", "TTFT p50 ms", "TTFT p95 ms", "tokens/s / best peer",
-               "TTFT p50 / best peer"]
+               "TTFT p50 / best peer", "clients' CPU (of a core)"]
     return Table(headers, rows, "N concurrent streaming clients (tokens/s: higher is better; TTFT: lower)"), vs_best
 
 
@@ -504,7 +510,8 @@ def section(args, machine: str, workloads: dict[int, list[Request]], servers: di
         f"workload: N streaming clients released at once (httpx, one asyncio loop in the bench process, on the same "
         f"cores) POST /v1/completions (a connection each): the 16 chat prompts of bench/throughput.py ({min(prompts)}..{max(prompts)} "
         f"tokens) as token ids, cycled for N > 16; max_tokens {args.max_tokens}, temperature 0, ignore_eos; "
-        f"every stream checked to carry exactly max_tokens tokens",
+        f"every stream checked to carry exactly max_tokens tokens; clients' CPU = this process's CPU seconds over "
+        f"the rounds' wall seconds (on the cores the server uses; pagedchat's thread policy counts it as busy)",
         f"total tokens/s = generated tokens / (last chunk - first send), best of {args.rounds} rounds; TTFT = send to "
         f"the first token chunk, p50/p95 over the {args.rounds} x N streams; warm-up per server: one chat for "
         f"{args.warmup_s:g} s, then {max(workloads)} x 4 tokens",

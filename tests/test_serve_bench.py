@@ -111,11 +111,12 @@ def test_percentiles_interpolate_between_ranks():
 def test_a_round_counts_tokens_over_first_send_to_last_chunk():
     a = Stream(sent=0.0, first=0.5, done=2.0, usage=64)
     b = Stream(sent=0.1, first=1.0, done=4.0, usage=64)
-    done = Round([a, b])
+    done = Round([a, b], client_cpu_s=0.2)
     assert done.wall == pytest.approx(4.0) and done.tok_s == pytest.approx(32.0)
-    other = Round([Stream(0.0, 0.2, 1.0, usage=64), Stream(0.0, 0.3, 1.0, usage=64)])
+    other = Round([Stream(0.0, 0.2, 1.0, usage=64), Stream(0.0, 0.3, 1.0, usage=64)], client_cpu_s=0.3)
     m = Measured.of([done, other])
     assert m.tok_s == pytest.approx(128.0)  # the best round
+    assert m.rounds_tok_s == pytest.approx([32.0, 128.0]) and m.client_cpu == pytest.approx(0.5 / 5.0)
     assert sorted(m.ttft_ms) == pytest.approx([200.0, 300.0, 500.0, 900.0])  # every stream of every round
     assert m.p50 == pytest.approx(400.0)
 
@@ -162,7 +163,7 @@ def test_stop_ends_the_whole_process_group():
 
 
 def fake_results(tok_s: dict[str, list[float]]) -> dict[str, dict]:
-    return {peer: {"measured": {n: Measured(v, [100.0 * (i + 1), 200.0 * (i + 1)], [v * 0.9, v])
+    return {peer: {"measured": {n: Measured(v, [100.0 * (i + 1), 200.0 * (i + 1)], [v * 0.9, v], 0.04)
                                 for n, v in zip((1, 16), values)}}
             for i, (peer, values) in enumerate(tok_s.items())}
 
@@ -193,4 +194,4 @@ def test_the_report_rates_each_engine_against_the_best_peer():
     assert "at N = 16, pagedchat serve at least matches the best peer's total tokens/s" in text
     assert "1.25x -> met" in text and "serve / generate >= 0.95x: 0.97x -> met" in text
     assert "not measured: vLLM CPU: PeerError: not built" in text
-    assert "- machine: test" in text and "| 16 | pagedchat serve | 150 |" in text
+    assert "- machine: test" in text and "| 16 | pagedchat serve | 150 |" in text and "| 4% |" in text
