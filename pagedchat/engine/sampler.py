@@ -11,6 +11,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) 
         if seq.num_output_tokens < params.min_tokens:
             banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
             logits[row, banned] = float("-inf")
+    if any(seq.params.penalised for seq in seqs):
+        logits = apply_penalties(logits, seqs)
     greedy = torch.tensor([seq.params.greedy for seq in seqs])
     tokens = logits.argmax(dim=-1)
     if not greedy.all():
@@ -18,6 +20,40 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) 
         chosen = _sample_rows(logits[rows], [seqs[i] for i in rows.tolist()])
         tokens[rows] = chosen
     return tokens.tolist()
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """vLLM's order: the repetition penalty over each sequence's tokens (all turns: prompt and output),
+    then frequency and presence over its current turn's output. Only the rows that ask are touched."""
+    repeat = [row for row, seq in enumerate(seqs) if seq.params.repetition_penalty != 1]
+    if repeat:
+        seen = _token_counts(logits, [seqs[row].token_ids for row in repeat]) > 0
+        penalty = _column([seqs[row].params.repetition_penalty for row in repeat], logits)
+        rows = logits[repeat]
+        penalised = torch.where(rows > 0, rows / penalty, rows * penalty)
+        logits[repeat] = torch.where(seen, penalised, rows)
+    counted = [row for row, seq in enumerate(seqs) if seq.params.presence_penalty or seq.params.frequency_penalty]
+    if counted:
+        counts = _token_counts(logits, [seqs[row].output_token_ids for row in counted])
+        frequency = _column([seqs[row].params.frequency_penalty for row in counted], logits)
+        presence = _column([seqs[row].params.presence_penalty for row in counted], logits)
+        logits[counted] -= frequency * counts + presence * (counts > 0)
+    return logits
+
+
+def _token_counts(logits: torch.Tensor, token_lists: list[list[int]]) -> torch.Tensor:
+    """[len(token_lists), vocab]: how often each token occurs in each list."""
+    device = logits.device
+    counts = torch.zeros(len(token_lists), logits.shape[1], dtype=logits.dtype, device=device)
+    tokens = torch.tensor([token for t in token_lists for token in t], dtype=torch.long, device=device)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device),
+                                   torch.tensor([len(t) for t in token_lists], device=device))
+    counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=logits.dtype), accumulate=True)
+    return counts
+
+
+def _column(values: list[float], logits: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=logits.dtype, device=logits.device).unsqueeze(1)
 
 
 def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

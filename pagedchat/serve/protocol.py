@@ -66,20 +66,18 @@ class Completion(BaseModel):
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
     session_id: str | None = None
-    # accepted only while they ask for nothing
-    logprobs: bool | int | None = None
+    # checked by SamplingParams (a bad value is a 400)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # accepted only while they ask for nothing
+    logprobs: bool | int | None = None
     tools: list | None = None
     response_format: dict | None = None
 
     def refuse_what_cannot_be_honoured(self) -> None:
         asked = {
             "logprobs": self.logprobs not in (None, False, 0),
-            "presence_penalty": self.presence_penalty != 0,
-            "frequency_penalty": self.frequency_penalty != 0,
-            "repetition_penalty": self.repetition_penalty != 1,
             "tools": bool(self.tools),
             "response_format": self.response_format not in (None, {"type": "text"}),
         }
@@ -104,6 +102,8 @@ class Completion(BaseModel):
                 n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed,
                 max_tokens=max_tokens or room, min_tokens=self.min_tokens, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
             )
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
