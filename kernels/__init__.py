@@ -8,9 +8,13 @@ TRITON_INTERPRET=1 (tests: correct, ~100x too slow for live use). The package-le
 
 `triton_ops` is imported on first use, not here: Triton reads TRITON_INTERPRET when a kernel is
 defined, so importing this package must not define them before the caller had a chance to set it.
+Triton itself is optional (the `gpu` extra; CUDA builds of torch bring their own): the torch path
+never imports it, "auto" falls back to torch without it, and asking for it by name says how to get it.
 """
 
+import functools
 import importlib
+import importlib.util
 import os
 from types import ModuleType
 
@@ -29,12 +33,20 @@ def select_backend(backend: str, device_type: str) -> ModuleType:
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r} ({', '.join(BACKENDS)})")
     if backend == "auto":
-        backend = "triton" if device_type == "cuda" else "torch"
+        backend = "triton" if device_type == "cuda" and _have_triton() else "torch"
     if backend == "torch":
         return torch_ops
     if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the triton backend needs a GPU, or TRITON_INTERPRET=1 to run on the CPU (slowly)")
+    if not _have_triton():
+        raise ValueError("the triton backend needs the triton package, which is not installed: "
+                         "pip install 'pagedchat[gpu]' (or use --backend torch)")
     return importlib.import_module(".triton_ops", __name__)
+
+
+@functools.cache
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

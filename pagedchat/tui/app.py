@@ -14,7 +14,7 @@ from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.containers import Horizontal
+from textual.containers import Container, Horizontal
 from textual.content import Content
 from textual.screen import Screen
 from textual.timer import Timer
@@ -31,6 +31,7 @@ from pagedchat.tui.chat_record import ChatRecord
 from pagedchat.tui.conversation import DEFAULT_PARAMS, Conversation, Turn
 from pagedchat.tui.demo import SYSTEM_PROMPT as DEMO_SYSTEM_PROMPT
 from pagedchat.tui.demo import demo_scripts
+from pagedchat.tui.engine_badge import EngineBadge
 from pagedchat.tui.frame_budget import FrameBudget
 from pagedchat.tui.help_screen import HelpScreen
 from pagedchat.tui.kv_panel import KVPanel
@@ -54,7 +55,7 @@ STATES = {"waiting": "waiting", "running": "generating", "preempted": "preempted
 STATE_WIDTH = max(map(len, STATES.values()))
 # Actions that belong to the chat screen: off while a dialog or the loading screen is up, so that
 # escape and friends reach the dialog despite being priority bindings.
-CHAT_ACTIONS = {"new_chat", "close_chat", "fork_chat", "stop", "regenerate", "pause", "step",
+CHAT_ACTIONS = {"new_chat", "close_chat", "fork_chat", "stop", "regenerate", "pause", "resume", "step",
                 "slow_motion", "settings", "copy_reply", "export_chat", "previous_tab", "next_tab",
                 "toggle_demo"}
 
@@ -72,7 +73,9 @@ class PagedChatApp(App):
         Binding("ctrl+f", "fork_chat", "Fork", priority=True),
         Binding("escape", "stop", "Stop", priority=True),
         Binding("ctrl+r", "regenerate", "Regenerate", priority=True),
+        # f5 has two bindings, one shown at a time (check_action): the footer says what f5 will do.
         Binding("f5", "pause", "Pause", priority=True),
+        Binding("f5", "resume", "Resume", priority=True),
         Binding("f6", "step", "Step", priority=True),
         Binding("f3", "slow_motion", "Slow motion", priority=True, show=False),
         Binding("f2", "settings", "Settings", priority=True),
@@ -122,7 +125,9 @@ class PagedChatApp(App):
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="main"):
-            yield TabbedContent(id="chats")
+            with Container(id="chat-area"):
+                yield TabbedContent(id="chats")
+                yield EngineBadge()
             yield KVPanel()
         yield Footer()
 
@@ -357,10 +362,27 @@ class PagedChatApp(App):
     # -- teaching mode -----------------------------------------------------------------------------
 
     def action_pause(self) -> None:
+        self._set_paused(True)
+
+    def action_resume(self) -> None:
+        self._set_paused(False)
+
+    def _set_paused(self, paused: bool) -> None:
         if self.worker is None:
             return
-        self.worker.set_paused(not self.worker.paused)
-        self.notify("Engine paused: f6 runs one step, f5 resumes." if self.worker.paused else "Engine resumed.")
+        self.worker.set_paused(paused)
+        self.notify("Engine paused: f6 runs one step, f5 resumes." if paused else "Engine resumed.")
+        self._show_teaching_state()
+
+    def _show_teaching_state(self) -> None:
+        """The badge and f5's footer entry follow the pause and slow motion: only when they change
+        (the badge lays out its own layer; the footer recomposes)."""
+        self.query_one(EngineBadge).show_state(self.worker.paused, self.worker.delay)
+        self.refresh_bindings()
+
+    def _f5_action_off(self) -> str:
+        """Of f5's two actions, the one that is off now."""
+        return "pause" if self.worker is not None and self.worker.paused else "resume"
 
     def action_step(self) -> None:
         if self.worker is None:
@@ -377,6 +399,7 @@ class PagedChatApp(App):
             if self.worker.delay in SLOW_MOTION else 0.0
         self.worker.set_delay(delay)
         self.notify(f"Slow motion: {delay:g} s between steps." if delay else "Slow motion off.")
+        self._show_teaching_state()
 
     # -- demo --------------------------------------------------------------------------------------
 
@@ -495,6 +518,8 @@ class PagedChatApp(App):
         if action in CHAT_ACTIONS and (self.worker is None or isinstance(self.screen, (LoadingScreen,))
                                        or self.screen.is_modal):
             return False
+        if action == self._f5_action_off():
+            return False
         return True
 
     def get_system_commands(self, screen: Screen):
@@ -504,7 +529,7 @@ class PagedChatApp(App):
         if self.worker is None:
             return
         for binding in self.BINDINGS:
-            if binding.action in CHAT_ACTIONS:
+            if binding.action in CHAT_ACTIONS and binding.action != self._f5_action_off():
                 yield SystemCommand(binding.description, f"{binding.description} ({binding.key})",
                                     lambda action=binding.action: self.run_action(action))
         yield SystemCommand("Demo: start/stop", "Tabs that chat by themselves from built-in prompts",
