@@ -275,3 +275,10 @@ def test_engine_with_triton_backend_matches_hf(tiny_model):
         expected = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                max_new_tokens=6, do_sample=False)[0, len(prompt):]
         assert out.token_ids == expected.tolist()
+
+
+def test_without_triton_auto_is_torch_and_asking_for_triton_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(kernels, "_have_triton", lambda: False)
+    assert kernels.select_backend("auto", "cuda") is kernels.torch_ops
+    with pytest.raises(ValueError, match=r"pip install 'pagedchat\[gpu\]'"):
+        kernels.select_backend("triton", "cuda")

@@ -57,22 +57,25 @@ def _column(values: list[float], logits: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    temperature = torch.tensor([seq.params.temperature for seq in seqs]).unsqueeze(1)
+    device = logits.device
+    temperature = torch.tensor([seq.params.temperature for seq in seqs], device=device).unsqueeze(1)
     logits = logits / temperature
-    top_k = torch.tensor([seq.params.top_k or logits.shape[1] for seq in seqs])
-    top_p = torch.tensor([seq.params.top_p for seq in seqs])
+    top_k = torch.tensor([seq.params.top_k or logits.shape[1] for seq in seqs], device=device)
+    top_p = torch.tensor([seq.params.top_p for seq in seqs], device=device)
     if (top_k < logits.shape[1]).any() or (top_p < 1).any():
         logits = _filter_top_k_top_p(logits, top_k, top_p)
     probs = logits.softmax(dim=-1)
     # The exponential race (argmax of p / Exp(1)) draws from probs; its noise comes from each
     # sequence's own generator, so a seeded request samples the same tokens whatever its batch.
-    noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=seq.generator) for seq in seqs])
+    # The generators are CPU ones: the noise is drawn there, so a seed gives the same tokens on any device.
+    noise = torch.stack([torch.empty(probs.shape[1]).exponential_(generator=seq.generator) for seq in seqs])
+    noise = noise.to(device)
     return (probs / noise).argmax(dim=-1)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[1]).unsqueeze(0)
+    ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
     drop = ranks >= top_k.unsqueeze(1)
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     # Keep the smallest set whose probability reaches top_p: drop a token once the mass before it does.
