@@ -128,10 +128,8 @@ def check_model(args: argparse.Namespace) -> dict:
     config = loader.check_model(path, args.max_model_len)
     num_blocks = kv_pool_blocks(config, args.block_size, args.num_blocks, args.kv_memory, dtype)
     pool_bytes = num_blocks * KVLayout.of(config).bytes_per_block(args.block_size, dtype)
-    available = _available_memory(device)
-    if available is not None and pool_bytes > available:
-        raise UsageError(f"a pool of {num_blocks} blocks needs {pool_bytes / 2**20:.0f} MiB but only "
-                         f"{available / 2**20:.0f} MiB are free on {device.type}: use fewer --num-blocks")
+    check_pool_memory(args, num_blocks, pool_bytes, _weights_bytes(path, dtype), _available_memory(device),
+                      device.type)
     if args.max_model_len is not None and args.max_model_len > num_blocks * args.block_size:
         raise UsageError(f"--max-model-len {args.max_model_len} does not fit the pool of {num_blocks} blocks "
                          f"x {args.block_size} = {num_blocks * args.block_size} tokens")
@@ -140,6 +138,64 @@ def check_model(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.backend,
                 dtype=args.dtype, device=args.device, compile=False if args.no_compile else None)
+
+
+# Memory left over for everything else once the pool and the weights are in: activations, the
+# tokenizer, the app, torch's own allocations and the rest of the machine.
+MEMORY_HEADROOM = 2 * 2**30
+
+
+def check_pool_memory(args: argparse.Namespace, num_blocks: int, pool_bytes: int, weights_bytes: int,
+                      available: int | None, where: str) -> None:
+    """Refuse a pool the device cannot hold, naming the flag that sized it. A pool the user sized
+    (--num-blocks or --kv-memory) must fit beside the weights with MEMORY_HEADROOM to spare, since a
+    pool that only just fits makes the machine swap; the small default pool need only fit itself."""
+    if available is None:  # not known here: let the engine find out
+        return
+    if args.kv_memory is not None:
+        flag, fix = f"--kv-memory {args.kv_memory}", "use a smaller --kv-memory"
+    elif args.num_blocks is not None:
+        flag, fix = f"--num-blocks {args.num_blocks}", "use fewer --num-blocks"
+    elif pool_bytes > available:
+        raise UsageError(f"the default pool of {num_blocks} blocks needs {_mib(pool_bytes)} MiB but only "
+                         f"{_mib(available)} MiB are free on {where}: use fewer --num-blocks")
+    else:
+        return
+    needed = pool_bytes + weights_bytes + MEMORY_HEADROOM
+    if needed > available:
+        raise UsageError(f"{flag} is too large: a pool of {num_blocks} blocks ({_mib(pool_bytes)} MiB) + the "
+                         f"model's weights ({_mib(weights_bytes)} MiB) + {_mib(MEMORY_HEADROOM)} MiB to spare "
+                         f"need {_mib(needed)} MiB, but only {_mib(available)} MiB are free on {where}: {fix}")
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:,.0f}"
+
+
+# Bytes per element of the floating dtypes a safetensors header names; the loader casts these to the
+# dtype the model is loaded in, and leaves any other tensor (integers, bools) as stored.
+_STORED_FLOAT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+def _weights_bytes(path: Path, dtype) -> int:
+    """The model's weights in memory once loaded in `dtype`: each tensor's stored bytes (from the
+    safetensors headers, which loader.check_model has validated) scaled by dtype's element size over
+    the stored one, so that bf16 weights loaded as float32 count double."""
+    import json
+    import struct
+
+    total = 0
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with file.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        for name, tensor in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = tensor["data_offsets"]
+            stored = _STORED_FLOAT_BYTES.get(tensor["dtype"])
+            total += (end - start) * dtype.itemsize // stored if stored else end - start
+    return total
 
 
 def _available_memory(device) -> int | None:

@@ -115,3 +115,85 @@ def test_the_log_goes_to_the_xdg_state_folder(tmp_path, monkeypatch):
     monkeypatch.delenv("XDG_STATE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cli.state_dir() == tmp_path / "home" / ".local" / "state" / "pagedchat"
+
+
+def test_parse_size_takes_terabytes():
+    from pagedchat.engine.llm import parse_size
+
+    assert parse_size("1TB") == 10**12
+    assert parse_size("2 TiB") == 2 * 2**40
+    assert parse_size("1.5tb") == 1_500_000_000_000
+
+
+def one_error_line(capsys) -> str:
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pagedchat: error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("flag, value", [("--kv-memory", "1TB"), ("--num-blocks", "100000000000")])
+def test_a_pool_too_large_for_the_machine_names_the_flag_given(flag, value, tiny_model, tmp_path, capsys,
+                                                                monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    monkeypatch.setattr(cli, "_available_memory", lambda device: 24 * 10**9)
+    assert cli.main(["--model", str(tiny_model), "--device", "cpu", flag, value]) == 2
+    line = one_error_line(capsys)
+    assert f"{flag} {value} is too large" in line and "not a size" not in line, line
+    other = {"--kv-memory": "--num-blocks", "--num-blocks": "--kv-memory"}[flag]
+    assert other not in line and "22,888 MiB are free on cpu" in line, line
+
+
+def needed_for(tiny_model, kv_memory: str) -> tuple[int, int]:
+    """The pool's blocks for `kv_memory` in float32, and the memory the pool and the weights need with
+    the headroom, counted by hand: the tiny model is stored in float32, so its weights are its tensors' bytes."""
+    import torch
+    from safetensors import safe_open
+
+    from pagedchat.engine.loader import check_model
+    from pagedchat.engine.llm import kv_pool_blocks, parse_size
+    from pagedchat.engine.model_runner import KVLayout
+
+    config = check_model(tiny_model)
+    per_block = KVLayout.of(config).bytes_per_block(16, torch.float32)
+    num_blocks = kv_pool_blocks(config, 16, None, kv_memory, torch.float32)
+    with safe_open(tiny_model / "model.safetensors", framework="pt") as weights:
+        weight_bytes = sum(weights.get_tensor(k).nbytes for k in weights.keys())
+    assert num_blocks == parse_size(kv_memory) // per_block
+    return num_blocks, num_blocks * per_block + weight_bytes + 2 * 2**30
+
+
+def pool_args(tiny_model, kv_memory: str, dtype: str = "float32"):
+    return cli.build_parser().parse_args(["--model", str(tiny_model), "--device", "cpu", "--dtype", dtype,
+                                          "--kv-memory", kv_memory])
+
+
+def test_a_pool_that_fits_only_without_the_weights_and_headroom_is_refused(tiny_model, monkeypatch):
+    num_blocks, needed = needed_for(tiny_model, "20GB")
+    monkeypatch.setattr(cli, "_available_memory", lambda device: needed - 1)
+    with pytest.raises(cli.UsageError) as refused:
+        cli.checked_llm_kwargs(pool_args(tiny_model, "20GB"))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("--kv-memory 20GB is too large"), message
+    assert f"a pool of {num_blocks} blocks (19,073 MiB)" in message and "+ 2,048 MiB to spare" in message
+    assert f"only {(needed - 1) / 2**20:,.0f} MiB are free on cpu: use a smaller --kv-memory" in message
+
+
+def test_a_pool_that_fits_beside_the_weights_and_headroom_is_taken(tiny_model, monkeypatch):
+    num_blocks, needed = needed_for(tiny_model, "1TB")
+    monkeypatch.setattr(cli, "_available_memory", lambda device: needed)
+    assert cli.checked_llm_kwargs(pool_args(tiny_model, "1TB"))["num_kv_blocks"] == num_blocks
+
+
+def test_the_weights_are_counted_in_the_dtype_they_are_loaded_in(tiny_model, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    stored = (tiny_model / "model.safetensors").stat().st_size  # float32, plus a small header
+    as_float32 = cli._weights_bytes(tiny_model, torch.float32)
+    assert 0.95 * stored < as_float32 < stored
+    assert cli._weights_bytes(tiny_model, torch.bfloat16) == as_float32 // 2
+    tensors = load_file(tiny_model / "model.safetensors")
+    save_file({k: t.to(torch.bfloat16) for k, t in tensors.items()}, tmp_path / "model.safetensors")
+    assert cli._weights_bytes(tmp_path, torch.float32) == as_float32  # bf16 weights loaded as float32 double
+    assert cli._weights_bytes(tmp_path, torch.bfloat16) == as_float32 // 2

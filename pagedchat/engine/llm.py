@@ -12,14 +12,15 @@ from pagedchat.engine.params import SamplingParams
 from pagedchat.kernels import select_backend
 
 DEFAULT_NUM_KV_BLOCKS = 512
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes from an int or a string like '256MiB' or '2GB'."""
+    """Bytes from an int or a string like '256MiB', '2GB' or '1TiB' (KB, MB, GB, TB are powers of 10)."""
     if isinstance(size, int):
         return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?b|b)?\s*", size.lower())
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*", size.lower())
     if not match:
         raise ValueError(f"not a size: {size!r} (use e.g. 256MiB or 2GB)")
     return int(float(match[1]) * _UNITS[match[2] or ""])
