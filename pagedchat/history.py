@@ -109,17 +109,6 @@ class History:
         chat.messages = [{"role": role, "content": content} for role, content in messages if content]
         return chat
 
-    def export_markdown(self, chat_id: int) -> str:
-        title, system_prompt = self._run("SELECT title, system_prompt FROM chats WHERE id = ?", (chat_id,)).fetchone()
-        parts = [f"# {title}"]
-        if system_prompt:
-            parts.append(f"*System:* {system_prompt}")
-        for role, content, complete in self._run(
-            "SELECT role, content, complete FROM messages WHERE chat_id = ? ORDER BY id", (chat_id,)
-        ):
-            parts.append(f"## {role.capitalize()}{'' if complete else ' (cut off)'}\n\n{content}")
-        return "\n\n".join(parts) + "\n"
-
     def close(self) -> None:
         with self._lock:
             self._db.close()

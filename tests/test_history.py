@@ -49,16 +49,6 @@ def test_killed_writer_loses_nothing_it_wrote(tmp_path):
                              {"role": "assistant", "content": "partial answer so far"}]
 
 
-def test_export_markdown_marks_cut_off_replies(tmp_path):
-    store = History(tmp_path / "h.sqlite3")
-    chat = store.new_chat("Trip", "You plan trips.")
-    store.add_message(chat, "user", "Where to?")
-    store.add_message(chat, "assistant", "The sea, or", complete=False)
-    text = store.export_markdown(chat)
-    assert text.startswith("# Trip\n") and "You plan trips." in text
-    assert "## User\n\nWhere to?" in text and "## Assistant (cut off)\n\nThe sea, or" in text
-
-
 def test_newer_schema_is_refused(tmp_path):
     path = tmp_path / "h.sqlite3"
     sqlite3.connect(path).execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")

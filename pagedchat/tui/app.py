@@ -8,8 +8,8 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
+import platformdirs
 from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
@@ -344,9 +344,16 @@ class PagedChatApp(App):
         if pane is None or not pane.conversation.turns:
             self.notify("Nothing to export yet.", severity="warning")
             return
-        path = Path.cwd() / f"pagedchat-{pane.id}-{time.strftime('%Y%m%d-%H%M%S')}.md"
-        path.write_text(pane.conversation.markdown(pane.title), encoding="utf-8")
-        self.notify(f"Saved {path}")
+        # The documents folder, not the current directory (wherever the app was started from);
+        # platformdirs honours XDG_DOCUMENTS_DIR and the user-dirs.dirs file.
+        path = platformdirs.user_documents_path() / "pagedchat" / f"{pane.id}-{time.strftime('%Y%m%d-%H%M%S')}.md"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(pane.conversation.markdown(pane.title), encoding="utf-8")
+        except OSError as exc:
+            self.notify(f"Could not export the chat to {path}: {one_line(exc)}", severity="error")
+            return
+        self.notify(f"Saved the chat to {path}")
 
     def action_settings(self) -> None:
         pane = self.current_pane

@@ -8,7 +8,7 @@ and the next turn starts a new request with the whole sequence, which the prefix
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from pagedchat.engine.params import SamplingParams
@@ -38,6 +38,7 @@ class Turn:
     role: str  # "user" | "assistant"
     text: str
     token_ids: tuple[int, ...] = ()  # the model's own reply tokens, never re-tokenized
+    system_prompt: str | None = None  # the one in force when this turn was sent or generated
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class Conversation:
                                      f"template, and the model's context holds {max_len:,}: shorten it")
             raise ContextFull(f"the conversation has {held} of the model's "
                               f"{max_len} tokens; this message needs {len(new_ids)} more")
-        self.turns.append(Turn("user", text))
+        self.turns.append(Turn("user", text, system_prompt=self.system_prompt))
         if self.request_id is None:
             self._generation += 1
             self.request_id = f"{self.key}.{self._generation}"
@@ -92,7 +93,7 @@ class Conversation:
 
     def add_reply(self, text: str, token_ids: list[int]) -> None:
         self._session.add_reply(list(token_ids), text)
-        self.turns.append(Turn("assistant", text, tuple(token_ids)))
+        self.turns.append(Turn("assistant", text, tuple(token_ids), self.system_prompt))
 
     def regenerate(self) -> tuple[str | None, Send]:
         """Drop the last reply and resend the turns before it: (request to close, what to send)."""
@@ -114,13 +115,19 @@ class Conversation:
         return self._drop(self.turns)
 
     def restore(self, turns: list[Turn]) -> None:
-        """Start from saved turns. Nothing of them is in the engine: the next turn sends it all."""
-        self._replay(turns)
+        """Start from saved turns. Nothing of them is in the engine: the next turn sends it all.
+        The history keeps one system prompt per chat: every saved turn is taken to have run under it."""
+        self._replay([replace(turn, system_prompt=self.system_prompt) for turn in turns])
 
     def markdown(self, title: str) -> str:
-        """The conversation as a Markdown document, for export."""
-        parts = [f"# {title}"] + ([f"*System:* {self.system_prompt}"] if self.system_prompt else [])
-        parts += [f"## {turn.role.capitalize()}\n\n{turn.text}" for turn in self.turns]
+        """The conversation as a Markdown document, for export: the system prompt each turn ran under
+        is shown before the first turn that ran under it (none before turns under the model's default)."""
+        parts, prompt = [f"# {title}"], None
+        for turn in self.turns:
+            if turn.system_prompt != prompt:
+                prompt = turn.system_prompt
+                parts.append(f"*System:* {prompt}" if prompt else "*System:* none (the model's default)")
+            parts.append(f"## {turn.role.capitalize()}\n\n{turn.text}")
         return "\n\n".join(parts) + "\n"
 
     def fork(self, key: str) -> "Conversation":

@@ -51,5 +51,9 @@ class HelpScreen(ModalScreen):
         with VerticalScroll():
             yield Markdown(keys + "\n" + READING_THE_PANEL)
 
+    def on_mount(self) -> None:
+        # The arrow and page keys scroll the help at once, without a tab first to focus it.
+        self.set_focus(self.query_one(VerticalScroll))
+
     def action_dismiss(self) -> None:
         self.dismiss()

@@ -77,6 +77,10 @@ class SettingsScreen(ModalScreen[TabSettings | None]):
                 yield Button("Cancel", id="cancel")
                 yield Button("Save", id="save", variant="primary")
 
+    def on_mount(self) -> None:
+        # Typing goes to the first field at once: nothing is focused on a new screen otherwise.
+        self.set_focus(self.query_one("#system", TextArea))
+
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "cancel":
             self.dismiss(None)
