@@ -117,7 +117,7 @@ def soak(engine, traffic: Traffic, seed: int = 0) -> Soak:
             done.follow_ups += 1
             parked.remove(rid)
         if parked and rng.random() < traffic.close:
-            engine.release_request(rng.choice(parked))
+            engine.close_request(rng.choice(parked))
             done.closes += 1
         for out in engine.step():
             done.generated_tokens += len(out.outputs[0].new_token_ids)
@@ -135,11 +135,11 @@ def soak(engine, traffic: Traffic, seed: int = 0) -> Soak:
         done.steps += 1
         done.peak_running = max(done.peak_running, snap.num_running)
     done.seconds = time.perf_counter() - started
-    for r in engine.kv_snapshot().requests:  # every tab closes
-        if r.status == "parked":
-            engine.release_request(r.request_id)
+    for request_id in {r.request_id for r in engine.kv_snapshot().requests}:  # every tab closes
+        engine.close_request(request_id)
     snap = engine.kv_snapshot()
     assert_invariants(snap)
+    assert snap.requests == (), "a closed conversation stayed in the engine"
     done.checks += 1
     done.leaked_blocks = snap.num_blocks - snap.num_free_blocks
     done.preemptions = snap.num_preemptions
