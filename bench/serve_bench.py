@@ -6,10 +6,11 @@ vLLM CPU's OpenAI server, on the default model at one precision for all (issue 1
     python -m bench.serve_bench --peers llama vllm --n 1 4 --max-tokens 32 --rounds 1
     python -m bench.serve_bench --results bench/RESULTS.md   # and append the section there
 
-Every server runs as its own subprocess on 127.0.0.1 at a free port, one after another (none competes
-with another for the cores), started with as many slots / sequences as the largest N, waited for
-(`/health`), warmed up, then stopped (SIGTERM to its process group, SIGKILL after a timeout), also on
-errors. The clients are httpx tasks in one asyncio loop, all released at once: each POSTs
+Every server runs as its own subprocess on 127.0.0.1 at a free port, with as many slots / sequences as
+the largest N; they are started one after another, each waited for (`/health`), then all warmed up, and
+at the end (also on errors) stopped: SIGTERM to each one's process group, SIGKILL after a timeout. The
+rounds take turns, one engine at a time, the order rotating from round to round: on a machine shared
+with other jobs, whose load drifts over minutes, each engine gets a share of every stretch. The clients are httpx tasks in one asyncio loop, all released at once: each POSTs
 `/v1/completions` with the same prompt token ids (bench/throughput.py's 16 chat prompts, cycled for
 N > 16), `max_tokens` fixed, greedy, EOS ignored, `stream: true` with `stream_options.include_usage`;
 a stream's tokens are its `usage.completion_tokens` (else its token chunks) and must equal `max_tokens`.
@@ -17,8 +18,8 @@ Prefix caching is off everywhere, so every engine prefills every prompt token.
 
 - total tokens/s: all generated tokens / (last chunk received - first request sent), best of the rounds;
 - TTFT: send to the first chunk that carries a token, p50 / p95 over the streams of all rounds;
-- the HTTP layer: the same requests through pagedchat's `LLM.generate` in this process, a round of it
-  back to back with each of `pagedchat serve`'s (order alternating): the median of the rounds' ratios.
+- the HTTP layer: the same requests through pagedchat's `LLM.generate` in this process, taking its turn
+  among the rounds: the median over the cycles of serve's tokens/s / generate's.
 """
 
 import argparse
@@ -126,6 +127,7 @@ def read_stream(lines: Iterable[str], sent: float = 0.0, clock=None) -> Stream:
 class Round:
     streams: list[Stream]
     client_cpu_s: float = 0.0  # this process's CPU seconds over the round: what the clients took of the cores
+    server_cpu_s: float = 0.0  # the server's process group's CPU seconds over the round
 
     @property
     def wall(self) -> float:
@@ -148,6 +150,7 @@ class Measured:
     ttft_ms: list[float] = field(default_factory=list)
     rounds_tok_s: list[float] = field(default_factory=list)  # in order, each round's
     client_cpu: float = float("nan")  # the clients' CPU seconds over the rounds' wall seconds
+    server_cpu: float = float("nan")  # the server's CPU seconds over the rounds' wall seconds
 
     @property
     def p50(self) -> float:
@@ -160,12 +163,13 @@ class Measured:
     @classmethod
     def of(cls, rounds: Sequence[Round]) -> "Measured":
         return cls(max(r.tok_s for r in rounds), [s.ttft * 1e3 for r in rounds for s in r.streams],
-                   [r.tok_s for r in rounds], sum(r.client_cpu_s for r in rounds) / sum(r.wall for r in rounds))
+                   [r.tok_s for r in rounds], sum(r.client_cpu_s for r in rounds) / sum(r.wall for r in rounds),
+                   sum(r.server_cpu_s for r in rounds) / sum(r.wall for r in rounds))
 
 
 def paired_ratio(ours: Sequence[float], theirs: Sequence[float]) -> float:
-    """The median over rounds of ours / theirs, each pair measured back to back (drift in the machine's
-    other load cancels within a pair)."""
+    """The median over rounds of ours / theirs, each pair measured in the same cycle of turns (drift in the
+    machine's other load mostly cancels within a pair)."""
     return percentile([a / b for a, b in zip(ours, theirs)], 50)
 
 
@@ -230,40 +234,74 @@ async def served_model(client, base: str) -> str:
         return "default"
 
 
-async def measure_server(base: str, workloads: dict[int, list[Request]], rounds: int, warmup_s: float,
-                         name: str, paired: "InProcess | None" = None) -> dict[int, Measured]:
-    """Warm up, then `rounds` rounds at each N; with `paired`, each round is paired with one of the same
-    requests through it, back to back, the order alternating (its tokens/s go into paired.results)."""
+async def warm_up(client, server: "Server", workloads: dict[int, list[Request]], warmup_s: float) -> None:
+    """One chat alone for warmup_s (pagedchat compiles its one-chat step meanwhile), then the widest batch."""
+    server.model = await served_model(client, server.base)
+    biggest = max(workloads)
+    one = [Request(workloads[biggest][0].prompt, 16)]
+    started = time.perf_counter()
+    while True:
+        check_counts(server.name, one, (await one_round(client, server.url, server.model, one)).streams)
+        if time.perf_counter() - started >= warmup_s:
+            break
+    wide = [Request(r.prompt, 4) for r in workloads[biggest]]
+    check_counts(server.name, wide, (await one_round(client, server.url, server.model, wide)).streams)
+
+
+def rotated(items: list, i: int) -> list:
+    k = i % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
+async def measure_all(servers: list["Server"], workloads: dict[int, list[Request]], rounds: int, warmup_s: float,
+                      paired: "InProcess | None" = None) -> dict[str, dict]:
+    """Warm up each server in turn; then at each N, `rounds` rounds of every server and (with `paired`) of
+    LLM.generate, taking turns, the order rotating from round to round: the machine's other load drifts over
+    minutes, and so each engine gets a share of every stretch of it. A server that fails drops out."""
     import httpx
 
-    biggest = max(workloads)
+    results: dict[str, dict] = {srv.peer: {"load_s": srv.load_s, "measured": {}} for srv in servers}
+    live: list[Server] = []
+
+    def failed(srv: "Server", error: Exception) -> None:
+        kept = {k: v for k, v in results[srv.peer].items() if k == "generate_error"}
+        results[srv.peer] = {**kept, "error": f"{type(error).__name__}: {error}"}
+        print(f"  {srv.name}: {results[srv.peer]['error']}", flush=True)
+        if srv in live:
+            live.remove(srv)
+
     # a connection per request: llama-server may close a kept-alive one just as the next request goes out
-    limits = httpx.Limits(max_connections=biggest + 4, max_keepalive_connections=0)
+    limits = httpx.Limits(max_connections=max(workloads) + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(1800, connect=30), limits=limits) as client:
-        model, url = await served_model(client, base), base + "/v1/completions"
-        # warm-up: one chat alone for warmup_s (a background compile may finish), then the widest batch
-        started = time.perf_counter()
-        one = [Request(workloads[biggest][0].prompt, 16)]
-        while True:
-            check_counts(name, one, (await one_round(client, url, model, one)).streams)
-            if time.perf_counter() - started >= warmup_s:
-                break
-        wide = [Request(r.prompt, 4) for r in workloads[biggest]]
-        check_counts(name, wide, (await one_round(client, url, model, wide)).streams)
-        results = {}
+        for srv in servers:
+            try:
+                await warm_up(client, srv, workloads, warmup_s)
+                live.append(srv)
+            except Exception as error:  # noqa: BLE001 - one peer's failure is reported, the others still run
+                failed(srv, error)
         for n, requests in workloads.items():
-            measured = []
+            done: dict[str, list[Round]] = {srv.peer: [] for srv in live}
             for i in range(rounds):
-                if paired is not None and i % 2:
-                    paired.measure(n, requests)
-                done = await one_round(client, url, model, requests)
-                check_counts(name, requests, done.streams)
-                measured.append(done)
-                if paired is not None and not i % 2:
-                    paired.measure(n, requests)
-            results[n] = Measured.of(measured)
-            print(f"  {name} N={n}: {results[n].tok_s:.1f} tok/s, TTFT p50 {results[n].p50:.0f} ms, "
-                  f"p95 {results[n].p95:.0f} ms", flush=True)
+                for srv in rotated(list(live) + ([None] if paired else []), i):
+                    if srv is None:
+                        try:
+                            paired.measure(n, requests)
+                        except Exception as error:  # noqa: BLE001 - the servers go on
+                            results.setdefault("pagedchat", {})["generate_error"] = f"{type(error).__name__}: {error}"
+                            paired = None
+                        continue
+                    try:
+                        cpu = group_cpu_s(srv.process.pid)
+                        got = await one_round(client, srv.url, srv.model, requests)
+                        got.server_cpu_s = group_cpu_s(srv.process.pid) - cpu
+                        check_counts(srv.name, requests, got.streams)
+                        done[srv.peer].append(got)
+                    except Exception as error:  # noqa: BLE001
+                        failed(srv, error)
+            for srv in live:
+                m = results[srv.peer]["measured"][n] = Measured.of(done[srv.peer])
+                print(f"  {srv.name} N={n}: {m.tok_s:.1f} tok/s, TTFT p50 {m.p50:.0f} ms, p95 {m.p95:.0f} ms, "
+                      f"server CPU {m.server_cpu:.0%}, clients' CPU {m.client_cpu:.0%}", flush=True)
             if paired is not None:
                 print(f"  LLM.generate N={n}: {max(paired.results[n]):.1f} tok/s", flush=True)
     return results
@@ -279,6 +317,22 @@ class Settings:
     slots: int  # llama.cpp's slots, vLLM's and pagedchat's max sequences: the largest N
     kv_tokens: int  # the KV budget of pagedchat and llama.cpp
     max_model_len: int = 2048
+
+
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) of the live processes of a process group (a server and its children)."""
+    ticks = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # after the name: state, ppid, pgrp; utime, stime at 11, 12
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -358,30 +412,48 @@ def stop(process: subprocess.Popen, timeout: float = 30) -> None:
             return
 
 
-def run_server(peer: str, s: Settings, workloads: dict[int, list[Request]], rounds: int, warmup_s: float,
-               start_timeout: float, paired: "InProcess | None" = None) -> dict:
-    """One peer's server, started, measured at every N and stopped; {"error": ...} where it failed."""
-    try:
-        command, env = server_command(peer, free_port(), s)
-    except PeerError as error:
-        return {"error": str(error)}
-    port = int(command[command.index("--port") + 1])
-    base = f"http://127.0.0.1:{port}"
+@dataclass
+class Server:
+    """A peer's server, started and healthy."""
+
+    peer: str
+    process: subprocess.Popen
+    base: str
+    log: Path
+    load_s: float = 0.0
+    model: str = "default"
+
+    @property
+    def name(self) -> str:
+        return LABELS[self.peer]
+
+    @property
+    def url(self) -> str:
+        return self.base + "/v1/completions"
+
+
+def start_server(peer: str, s: Settings, start_timeout: float) -> Server:
+    """The peer's server on a free port of 127.0.0.1, once /health says it is ready (PeerError if not)."""
+    port = free_port()
+    command, env = server_command(peer, port, s)
     log = Path(tempfile.mkstemp(prefix=f"serve-bench-{peer}-", suffix=".log")[1])
     print(f"{LABELS[peer]}: {' '.join(command)} (log {log})", flush=True)
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env={**os.environ, **env}, cwd=ROOT, start_new_session=True)
+    server = Server(peer, process, f"http://127.0.0.1:{port}", log)
     try:
-        load_s = wait_healthy(base, process, log, start_timeout)
-        measured = asyncio.run(measure_server(base, workloads, rounds, warmup_s, LABELS[peer], paired))
-        return {"load_s": load_s, "command": command, "env": env, "measured": measured}
-    except Exception as error:  # noqa: BLE001 - one peer's failure is reported, the others still run
-        return {"error": f"{type(error).__name__}: {error}"}
-    finally:
-        stop(process)
-        if process.returncode not in (None, 0, -signal.SIGTERM, -signal.SIGKILL):
-            print(f"  {LABELS[peer]} exited with {process.returncode}: {log_tail(log)}", flush=True)
+        server.load_s = wait_healthy(server.base, process, log, start_timeout)
+    except BaseException:
+        stop_server(server)
+        raise
+    return server
+
+
+def stop_server(server: Server) -> None:
+    stop(server.process)
+    if server.process.returncode not in (None, 0, -signal.SIGTERM, -signal.SIGKILL):
+        print(f"  {server.name} exited with {server.process.returncode}: {log_tail(server.log)}", flush=True)
 
 
 class InProcess:
@@ -393,6 +465,8 @@ class InProcess:
         self.llm = load_llm(None, s.dtype, num_threads=None, num_kv_blocks=s.kv_tokens // 16, max_num_seqs=s.slots,
                             enable_prefix_caching=False)
         self.results: dict[int, list[float]] = {n: [] for n in workloads}
+        self.cpu: dict[int, tuple[float, float]] = {n: (0.0, 0.0) for n in workloads}  # CPU s, wall s of the rounds
+        self.cpu_s = 0.0
         self.wait_compiled()
         biggest = max(workloads)
         started = time.perf_counter()
@@ -410,16 +484,18 @@ class InProcess:
         from pagedchat import SamplingParams
 
         params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         outputs = self.llm.generate([r.prompt for r in requests], params)
-        wall = time.perf_counter() - start
+        wall, self.cpu_s = time.perf_counter() - start, time.process_time() - cpu
         counts = [len(o.token_ids) for o in outputs]
         if counts != [r.output_len for r in requests]:
             raise PeerError(f"LLM.generate made {counts} tokens")
         return sum(counts) / wall
 
     def measure(self, n: int, requests: Sequence[Request]) -> None:
+        start = time.perf_counter()
         self.results[n].append(self.run(requests))
+        self.cpu[n] = (self.cpu[n][0] + self.cpu_s, self.cpu[n][1] + time.perf_counter() - start)
         self.wait_compiled()  # a compile the thread policy started must not run beside the server's round
 
     def close(self) -> None:
@@ -456,14 +532,14 @@ def serve_table(ns: Sequence[int], servers: dict[str, dict]) -> tuple[Table, dic
         best_ttft = min((m.p50 for m in others), default=float("nan"))
         for peer in servers:
             if peer not in got:
-                rows.append([n, LABELS[peer]] + ["n/a"] * 6)
+                rows.append([n, LABELS[peer]] + ["n/a"] * 7)
                 continue
             m = got[peer]
             rows.append([n, LABELS[peer], m.tok_s, m.p50, m.p95, ratio(m.tok_s, best_tok), ratio(m.p50, best_ttft),
-                         f"{m.client_cpu:.0%}"])
+                         f"{m.server_cpu:.0%}", f"{m.client_cpu:.0%}"])
         vs_best[n] = ratio(got["pagedchat"].tok_s, best_tok) if "pagedchat" in got and others else None
     headers = ["N", "engine", "total tokens/s", "TTFT p50 ms", "TTFT p95 ms", "tokens/s / best peer",
-               "TTFT p50 / best peer", "clients' CPU (of a core)"]
+               "TTFT p50 / best peer", "server CPU (of a core)", "clients' CPU"]
     return Table(headers, rows, "N concurrent streaming clients (tokens/s: higher is better; TTFT: lower)"), vs_best
 
 
@@ -475,15 +551,17 @@ def http_table(ns: Sequence[int], serve: dict) -> tuple[Table, dict[int, object]
         ours = serve["measured"][n] if "measured" in serve else None
         bare = serve.get("generate", {}).get(n)
         if ours is None or not bare:
-            rows.append([n, "n/a", "n/a", "n/a", "n/a", "not measured"])
+            rows.append([n] + ["n/a"] * 6 + ["not measured"])
             continue
         ratios[n] = paired_ratio(ours.rounds_tok_s, bare)
-        rows.append([n, max(bare), ours.tok_s, ours.tok_s / max(bare), ratios[n],
-                     "met" if ratios[n] >= HTTP_GOAL else "MISSED"])
+        cpu = serve.get("generate_cpu", {}).get(n, float("nan"))
+        rows.append([n, max(bare), ours.tok_s, ours.tok_s / max(bare), ratios[n], f"{cpu:.0%}",
+                     f"{ours.server_cpu:.0%}", "met" if ratios[n] >= HTTP_GOAL else "MISSED"])
     headers = ["N", "LLM.generate tokens/s", "pagedchat serve tokens/s", "best / best",
-               "serve / generate, paired rounds (median)", f"goal >= {HTTP_GOAL:g}"]
+               "serve / generate, paired rounds (median)", "generate CPU (of a core)", "serve CPU",
+               f"goal >= {HTTP_GOAL:g}"]
     return Table(headers, rows, "the HTTP layer: the same requests through LLM.generate in-process, "
-                                "rounds alternating with the server's"), ratios
+                                "its rounds taking turns with the servers'"), ratios
 
 
 def machine_header(s: Settings) -> str:
@@ -513,8 +591,8 @@ def section(args, machine: str, workloads: dict[int, list[Request]], servers: di
         f"every stream checked to carry exactly max_tokens tokens; clients' CPU = this process's CPU seconds over "
         f"the rounds' wall seconds (on the cores the server uses; pagedchat's thread policy counts it as busy)",
         f"total tokens/s = generated tokens / (last chunk - first send), best of {args.rounds} rounds; TTFT = send to "
-        f"the first token chunk, p50/p95 over the {args.rounds} x N streams; warm-up per server: one chat for "
-        f"{args.warmup_s:g} s, then {max(workloads)} x 4 tokens",
+        f"the first token chunk, p50/p95 over the {args.rounds} x N streams; the engines' rounds take turns, the "
+        f"order rotating; warm-up per engine: one chat for {args.warmup_s:g} s, then {max(workloads)} x 4 tokens",
         "server start to healthy: " + ", ".join(
             f"{LABELS[p]} {r['load_s']:.0f} s" for p, r in servers.items() if "load_s" in r),
     ]
@@ -568,27 +646,33 @@ def main(argv: list[str] | None = None) -> None:
     settings = Settings(args.dtype, args.threads, max(args.n), kv_tokens)
     machine = machine_header(settings)
     print(machine, flush=True)
-    servers = {}
-    for peer in [p for p in PEERS if p in args.peers]:
-        paired, failed = None, None
-        if peer == "pagedchat" and not args.no_generate:
+    results, started_servers, paired = {}, [], None
+    try:
+        if "pagedchat" in args.peers and not args.no_generate:
             print("LLM.generate: loading, compiling and warming up in this process", flush=True)
             try:
                 paired = InProcess(settings, workloads, args.warmup_s)
             except Exception as error:  # noqa: BLE001 - the server is still measured
-                failed = f"{type(error).__name__}: {error}"
-        try:
-            servers[peer] = run_server(peer, settings, workloads, args.rounds, args.warmup_s, args.start_timeout,
-                                       paired)
-        finally:
-            if paired is not None:
-                paired.close()
+                results["pagedchat"] = {"generate_error": f"{type(error).__name__}: {error}"}
+        for peer in [p for p in PEERS if p in args.peers]:
+            try:
+                started_servers.append(start_server(peer, settings, args.start_timeout))
+            except Exception as error:  # noqa: BLE001 - reported; the others still run
+                results.setdefault(peer, {})["error"] = f"{type(error).__name__}: {error}"
+                print(f"  {LABELS[peer]}: {results[peer]['error']}", flush=True)
+        for peer, got in asyncio.run(measure_all(started_servers, workloads, args.rounds, args.warmup_s,
+                                                 paired)).items():
+            results[peer] = {**results.get(peer, {}), **got}
+    finally:
+        for server in started_servers:
+            stop_server(server)
         if paired is not None:
-            servers[peer]["generate"] = paired.results
-        if failed:
-            servers[peer]["generate_error"] = failed
-        if "error" in servers[peer]:
-            print(f"  {LABELS[peer]}: {servers[peer]['error']}", flush=True)
+            paired.close()
+    if paired is not None and "pagedchat" in results:
+        results["pagedchat"]["generate"] = paired.results
+        results["pagedchat"]["generate_cpu"] = {n: cpu / wall if wall else float("nan")
+                                                for n, (cpu, wall) in paired.cpu.items()}
+    servers = {p: results[p] for p in PEERS if p in results}
     sec = section(args, machine, workloads, servers, time.perf_counter() - started)
     print(sec.markdown())
     if args.results:

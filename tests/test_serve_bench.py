@@ -4,6 +4,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -156,14 +157,21 @@ def test_every_server_binds_loopback_with_the_slots_and_no_prefix_caching(monkey
     assert ours[1] == "serve" and "--no-prefix-caching" in ours and ours[ours.index("--dtype") + 1] == "bfloat16"
 
 
-def test_stop_ends_the_whole_process_group():
-    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
-    serve_bench.stop(process, timeout=5)
+def test_stop_ends_the_whole_process_group_and_its_cpu_is_counted():
+    spin = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'while True: pass']); time.sleep(60)"
+    process = subprocess.Popen([sys.executable, "-c", spin], start_new_session=True)
+    try:
+        first = serve_bench.group_cpu_s(process.pid)
+        time.sleep(0.5)
+        assert serve_bench.group_cpu_s(process.pid) - first > 0.1  # the spinning child, in the leader's group
+    finally:
+        serve_bench.stop(process, timeout=5)
     assert process.returncode is not None
+    assert serve_bench.group_cpu_s(process.pid) == 0  # nothing of the group left
 
 
 def fake_results(tok_s: dict[str, list[float]]) -> dict[str, dict]:
-    return {peer: {"measured": {n: Measured(v, [100.0 * (i + 1), 200.0 * (i + 1)], [v * 0.9, v], 0.04)
+    return {peer: {"measured": {n: Measured(v, [100.0 * (i + 1), 200.0 * (i + 1)], [v * 0.9, v], 0.04, 1.5)
                                 for n, v in zip((1, 16), values)}}
             for i, (peer, values) in enumerate(tok_s.items())}
 
@@ -176,6 +184,7 @@ def test_the_report_rates_each_engine_against_the_best_peer():
     servers = fake_results({"pagedchat": [20.0, 150.0], "llama": [30.0, 120.0], "vllm": [10.0, 100.0]})
     servers["vllm"] = {"error": "PeerError: not built"}
     servers["pagedchat"]["generate"] = {1: [18.0, 21.0], 16: [140.0, 155.0]}
+    servers["pagedchat"]["generate_cpu"] = {1: 0.98, 16: 1.9}
     args = argparse.Namespace(n=[1, 16], max_tokens=64, rounds=2, warmup_s=5.0, no_generate=False)
     workloads = {1: [Request([1] * 37, 64)], 16: [Request([1] * 38, 64)] * 16}
     sec = serve_bench.section(args, "- machine: test\n- versions: test\n", workloads, servers, 1.0)
@@ -190,8 +199,9 @@ def test_the_report_rates_each_engine_against_the_best_peer():
     assert row[(16, "llama.cpp")][6] == pytest.approx(1.0) and row[(16, "pagedchat serve")][6] == pytest.approx(0.5)
     # best / best, then the median of the paired rounds: (135 / 140 + 150 / 155) / 2
     assert [r[3] for r in http.rows] == pytest.approx([20 / 21, 150 / 155])
-    assert http.rows[1][4] == pytest.approx((135 / 140 + 150 / 155) / 2) and http.rows[1][5] == "met"
+    assert http.rows[1][4] == pytest.approx((135 / 140 + 150 / 155) / 2) and http.rows[1][5:] == ["190%", "150%", "met"]
+    assert all(len(r) == len(http.headers) for r in http.rows)
     assert "at N = 16, pagedchat serve at least matches the best peer's total tokens/s" in text
     assert "1.25x -> met" in text and "serve / generate >= 0.95x: 0.97x -> met" in text
     assert "not measured: vLLM CPU: PeerError: not built" in text
-    assert "- machine: test" in text and "| 16 | pagedchat serve | 150 |" in text and "| 4% |" in text
+    assert "- machine: test" in text and "| 16 | pagedchat serve | 150 |" in text and "| 150% | 4% |" in text
