@@ -176,14 +176,12 @@ class PagedChatApp(App):
             typed = await self._close_loading()
             self.push_screen(RestoreScreen(saved), lambda restore: self._restore(saved, restore, typed))
             return
-        # The first tabs open once the loading screen is gone: a tab added under it could be measured
-        # before the main screen's layout, and its tab bar's underline then stayed at zero width.
-        typed = await self._close_loading()
+        # The first tabs open under the loading screen, whose message box takes the keys meanwhile.
         if self._demo_on:
             await self._start_demo()
         else:
             await self.action_new_chat()
-        self._carry_over(*typed)
+        self._carry_over(*await self._close_loading())
 
     def _load_with_tokenizer(self) -> tuple[object, object]:
         """The LLM, and the UI thread's own copy of its tokenizer: the engine thread decodes with the
@@ -198,6 +196,11 @@ class PagedChatApp(App):
         assert isinstance(loading, LoadingScreen)
         typed = loading.typed, loading.sent
         await self.pop_screen()
+        # A tab added under the loading screen may have been measured before the main screen's first
+        # layout, leaving its underline at zero width; Textual's Tabs place it again only on a resize
+        # or a change of tab, and offer no public call for it.
+        if self._tabbed.tab_count:
+            self.call_after_refresh(self._tabbed.query_one(Tabs)._highlight_active, False)
         return typed
 
     def _carry_over(self, text: str, sent: bool) -> None:
