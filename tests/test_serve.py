@@ -4,6 +4,7 @@ Every request loop is bounded; every wait has a deadline.
 """
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -93,7 +94,7 @@ def test_chat_equals_llm_chat_token_for_token(live, reference):
     assert whole.choices[0].token_ids == expected.token_ids
     assert whole.choices[0].message.content == expected.text
     assert whole.usage.prompt_tokens == len(expected.prompt_token_ids) and whole.usage.completion_tokens == 12
-    assert whole.id in whole.id and whole.id.startswith("chatcmpl-")
+    assert whole.id.startswith("chatcmpl-")
 
     chunks = list(live.client.chat.completions.create(
         model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True,
@@ -181,11 +182,21 @@ def test_sixteen_streaming_clients_all_finish_and_the_pool_is_whole(live):
     assert snap["requests"] == []
 
 
-def streaming_request(live, body: dict) -> httpx.Response:
+def streaming_request(live, body: dict) -> tuple[httpx.Client, httpx.Response]:
     """A streaming request whose response the caller reads a little of, then closes (a disconnect)."""
     client = httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     request = client.build_request("POST", "/v1/chat/completions", json=body | {"stream": True})
     return client, client.send(request, stream=True)
+
+
+@contextlib.contextmanager
+def paused(live):
+    """The engine steps only when told to (step_once), so a disconnect alone must free the blocks."""
+    live.engine_thread.set_paused(True)
+    try:
+        yield live.engine_thread
+    finally:
+        live.engine_thread.set_paused(False)
 
 
 def stopped_and_freed(live) -> None:
@@ -206,21 +217,15 @@ def test_a_client_that_leaves_mid_decode_frees_its_blocks_at_once(live):
     for _ in range(3):  # the role, then content: decoding has begun
         while not next(lines).startswith("data: "):
             pass
-    engine = live.engine_thread
-    engine.set_paused(True)
-    try:
+    with paused(live):
         assert any(r["status"] == "running" for r in live.snapshot()["requests"])
         response.close()
         client.close()
         stopped_and_freed(live)
-    finally:
-        engine.set_paused(False)
 
 
 def test_a_client_that_leaves_during_a_chunked_prefill_frees_its_blocks(live):
-    engine = live.engine_thread
-    engine.set_paused(True)
-    try:
+    with paused(live) as engine:
         long_message = "x" * 200  # 200 byte tokens: chunks of max_num_batched_tokens = 32
         client, response = streaming_request(live, {"messages": [{"role": "user", "content": long_message}],
                                                     "max_tokens": 5, "temperature": 0})
@@ -231,28 +236,20 @@ def test_a_client_that_leaves_during_a_chunked_prefill_frees_its_blocks(live):
         response.close()
         client.close()
         stopped_and_freed(live)
-    finally:
-        engine.set_paused(False)
 
 
 def test_a_client_that_leaves_while_waiting_in_the_queue_is_dropped(live):
-    engine = live.engine_thread
-    engine.set_paused(True)
-    try:
+    with paused(live):
         client, response = streaming_request(live, {"messages": [{"role": "user", "content": "queued"}],
                                                     "max_tokens": 5})
         wait_for(lambda: live.snapshot()["num_waiting"] == 1, "the request to wait")
         response.close()
         client.close()
         stopped_and_freed(live)
-    finally:
-        engine.set_paused(False)
 
 
 def test_a_non_streamed_client_that_leaves_ends_its_request(live):
-    engine = live.engine_thread
-    engine.set_paused(True)
-    try:
+    with paused(live):
         done = threading.Event()
 
         def leave_early() -> None:
@@ -267,8 +264,6 @@ def test_a_non_streamed_client_that_leaves_ends_its_request(live):
         caller.join(10)
         assert done.is_set()
         stopped_and_freed(live)
-    finally:
-        engine.set_paused(False)
 
 
 @pytest.mark.parametrize("case, status, param", [
