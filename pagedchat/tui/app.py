@@ -20,12 +20,12 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, TabbedContent, Tabs
 
-from pagedchat.engine.chat import ChatSession
 from pagedchat.engine.errors import one_line
 from pagedchat.engine.engine_thread import EngineThread
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.snapshot import KVSnapshot
 from pagedchat.history import History, SavedChat
+from pagedchat.tui.chat_backend import ChatBackend, LocalChat
 from pagedchat.tui.chat_pane import ChatPane
 from pagedchat.tui.chat_record import ChatRecord
 from pagedchat.tui.conversation import DEFAULT_PARAMS, Conversation, Turn
@@ -58,6 +58,7 @@ STATE_WIDTH = max(map(len, STATES.values()))
 CHAT_ACTIONS = {"new_chat", "close_chat", "fork_chat", "stop", "regenerate", "pause", "resume", "step",
                 "slow_motion", "settings", "copy_reply", "export_chat", "previous_tab", "next_tab",
                 "toggle_demo"}
+TEACHING_ACTIONS = {"pause", "resume", "step", "slow_motion"}  # the local engine's only
 
 
 class PagedChatApp(App):
@@ -100,7 +101,8 @@ class PagedChatApp(App):
         for theme_obj in load_themes().values():
             self.register_theme(theme_obj)
         self.theme = theme
-        self.worker: EngineThread | None = None
+        self.worker: EngineThread | None = None  # the local engine's thread
+        self.chat: ChatBackend | None = None  # what the tabs chat with
         self.load_error: str | None = None  # why loading failed, for the one line the CLI prints
         self._load_llm = load_llm
         self._model_name = model_name
@@ -168,6 +170,7 @@ class PagedChatApp(App):
         self._max_len = engine.config.max_model_len
         self.worker = EngineThread(engine, on_command=self._wake)
         self.worker.start()
+        self.chat = LocalChat(self.worker, self.tokenizer, self._max_len)
         if self._on_engine is not None:
             self._on_engine(llm, self.worker)
         self._poll_timer = self.set_interval(1 / POLL_HZ, self._poll)
@@ -254,7 +257,7 @@ class PagedChatApp(App):
         # Labelled in full from the start: the tab underline takes the label's width once, when the
         # tab is activated, and would keep a shorter first label's width.
         label = self._tab_label(title, colour, conversation.num_tokens, "idle")
-        pane = ChatPane(conversation, title, colour, self.worker, self._max_len, chat_record, label)
+        pane = ChatPane(conversation, title, colour, self.chat, chat_record, label)
         self._panes[conversation.key] = pane
         if self._snapshot is not None:  # the panel names and colours requests by their tabs
             self.query_one(KVPanel).show(self._snapshot, self._tag_of, self._decode)
@@ -268,8 +271,7 @@ class PagedChatApp(App):
                           params: SamplingParams | None = None) -> tuple[Conversation, str]:
         self._tabs_opened += 1
         key = f"chat-{self._tabs_opened}"
-        conversation = Conversation(lambda system: ChatSession(self.tokenizer, system), key,
-                                    system_prompt, params or self._params)
+        conversation = Conversation(self.chat.new_session, key, system_prompt, params or self._params)
         return conversation, f"chat {self._tabs_opened}"
 
     async def action_new_chat(self) -> None:
@@ -292,11 +294,15 @@ class PagedChatApp(App):
         if source is None or source.conversation.request_id is None:
             self.notify("Nothing to fork yet: send a message first.", severity="warning")
             return
+        if source.replying and not self.chat.forks_replies:
+            self.notify("A server cannot fork a reply in progress: wait for it, or stop it (escape), then fork.",
+                        severity="warning")
+            return
         self._tabs_opened += 1
         key = f"chat-{self._tabs_opened}"
         twin = source.conversation.fork(key)
         pane = await self._open(twin, f"{source.title}′")
-        self.worker.fork(source.conversation.request_id, twin.request_id, WidgetSink(pane))
+        self.chat.fork(source.conversation.request_id, twin.request_id, WidgetSink(pane))
         if source.replying:
             pane.start_forked_reply(source.reply_text)
 
@@ -525,8 +531,10 @@ class PagedChatApp(App):
     # -- commands ----------------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in CHAT_ACTIONS and (self.worker is None or isinstance(self.screen, (LoadingScreen,))
+        if action in CHAT_ACTIONS and (self.chat is None or isinstance(self.screen, (LoadingScreen,))
                                        or self.screen.is_modal):
+            return False
+        if action in TEACHING_ACTIONS and self.worker is None:
             return False
         if action == self._f5_action_off():
             return False
@@ -536,10 +544,11 @@ class PagedChatApp(App):
         for command in super().get_system_commands(screen):
             if command.title != "Theme":  # ours below, limited to pagedchat's themes
                 yield command
-        if self.worker is None:
+        if self.chat is None:
             return
         for binding in self.BINDINGS:
-            if binding.action in CHAT_ACTIONS and binding.action != self._f5_action_off():
+            if binding.action in CHAT_ACTIONS and binding.action != self._f5_action_off() \
+                    and (binding.action not in TEACHING_ACTIONS or self.worker is not None):
                 yield SystemCommand(binding.description, f"{binding.description} ({binding.key})",
                                     lambda action=binding.action: self.run_action(action))
         yield SystemCommand("Demo: start/stop", "Tabs that chat by themselves from built-in prompts",

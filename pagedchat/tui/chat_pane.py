@@ -6,8 +6,8 @@ from textual.content import Content
 from textual.containers import VerticalScroll
 from textual.widgets import Button, Static, TabPane
 
-from pagedchat.engine.engine_thread import EngineThread
 from pagedchat.engine.outputs import CompletionOutput, RequestOutput
+from pagedchat.tui.chat_backend import ChatBackend
 from pagedchat.tui.chat_message import ChatMessage, visible
 from pagedchat.tui.chat_record import ChatRecord
 from pagedchat.tui.conversation import ContextFull, Conversation, MessageTooLong, Send
@@ -19,8 +19,8 @@ FINISH_NOTES = {"abort": "stopped", "length": "max tokens reached"}
 
 
 class ChatPane(TabPane):
-    """The engine thread posts the end of each reply (`EngineOutput`) and errors (`EngineError`)
-    here, never to the App; the reply in progress is taken from the worker (`catch_up`)."""
+    """The backend posts the end of each reply (`EngineOutput`) and errors (`EngineError`) here,
+    never to the App; the reply in progress is taken from the backend (`catch_up`)."""
 
     DEFAULT_CSS = """
     ChatPane {
@@ -42,15 +42,14 @@ class ChatPane(TabPane):
     """
 
     def __init__(self, conversation: Conversation, title: str, colour: int,
-                 worker: EngineThread | None = None, max_len: int | None = None,
-                 record: ChatRecord | None = None, label: Content | None = None) -> None:
+                 chat: ChatBackend | None = None, record: ChatRecord | None = None, label: Content | None = None) -> None:
         super().__init__(label or title, id=conversation.key)
         self.conversation = conversation
         self.record = record  # where the conversation is saved; None with --no-history
         self.title = title
         self.colour = colour
-        self.worker = worker
-        self.max_len = max_len
+        self.chat = chat
+        self.max_len = chat.max_len if chat else None
         self.replying = False  # a reply is on its way (waiting, prefilling, generating, preempted)
         self.full = False  # the conversation reached the model's context
         self._reply: ChatMessage | None = None  # the reply in progress
@@ -87,7 +86,7 @@ class ChatPane(TabPane):
         text = text.strip()
         if not text:
             self.notify("The message is empty: nothing to send.", severity="warning")
-        elif self.worker is None:
+        elif self.chat is None:
             self.notify("The model is still loading.", severity="warning")
         elif self.replying:
             self.notify("A reply is on its way: wait for it, or press escape to stop it.", severity="warning")
@@ -108,14 +107,14 @@ class ChatPane(TabPane):
         return False
 
     def stop(self) -> None:
-        if self.replying and self.worker is not None:
-            self.worker.abort(self.conversation.request_id)
+        if self.replying and self.chat is not None:
+            self.chat.abort(self.conversation.request_id)
 
     def regenerate(self) -> None:
         if self.replying:
             self.notify("Stop the reply first (escape), then regenerate.", severity="warning")
             return
-        if self.worker is None or self.conversation.last_reply is None:
+        if self.chat is None or self.conversation.last_reply is None:
             self.notify("There is no reply to regenerate.", severity="warning")
             return
         old, send = self.conversation.regenerate()
@@ -135,9 +134,9 @@ class ChatPane(TabPane):
 
     def catch_up(self) -> None:
         """Take the reply in progress as far as the engine has got (the app calls this on its tick)."""
-        if not self.replying or self.worker is None:
+        if not self.replying or self.chat is None:
             return
-        output = self.worker.progress(self.conversation.request_id)
+        output = self.chat.progress(self.conversation.request_id)
         if output is not None and output.outputs[0].text != self._text:
             self._text = output.outputs[0].text
             if self.record:
@@ -167,11 +166,8 @@ class ChatPane(TabPane):
         self._begin_reply(partial_text)
 
     def _start_reply(self, send: Send) -> None:
-        assert self.worker is not None
-        if send.new_request:
-            self.worker.add(send.request_id, send.token_ids, self.conversation.params, WidgetSink(self))
-        else:
-            self.worker.continue_(send.request_id, send.token_ids, self.conversation.params, WidgetSink(self))
+        assert self.chat is not None
+        self.chat.reply(send, self.conversation.params, WidgetSink(self))
         self._begin_reply("")
 
     def _begin_reply(self, text: str) -> None:
@@ -224,7 +220,8 @@ class ChatPane(TabPane):
             self.record.reply_done(completion.text)
         prompt, reused = len(output.prompt_token_ids), output.num_cached_tokens
         note = FINISH_NOTES.get(completion.finish_reason, "")
-        if self.max_len is not None and self.conversation.num_tokens >= self.max_len - 1:
+        # The backend's count: a server applies the chat template itself.
+        if self.max_len is not None and prompt + len(completion.token_ids) >= self.max_len - 1:
             note = "context full"
             self._context_full(f"the conversation has reached the model's context of {self.max_len} tokens")
         self.query_one("#turn-info", Static).update(
@@ -258,8 +255,8 @@ class ChatPane(TabPane):
             await self.run_action("app.new_chat")
 
     def _close_request(self, request_id: str | None) -> None:
-        if request_id is not None and self.worker is not None:
-            self.worker.close(request_id)
+        if request_id is not None and self.chat is not None:
+            self.chat.close(request_id)
 
     @property
     def _transcript(self) -> VerticalScroll:

@@ -20,6 +20,7 @@ class ChatSessionLike(Protocol):
     """`pagedchat.engine.chat.ChatSession`, or a stand-in in tests."""
 
     token_ids: list[int]
+    messages: list[dict[str, str]]  # the conversation as chat messages, the system prompt first
 
     def user_turn(self, text: str) -> list[int]: ...
     def add_reply(self, token_ids: list[int], text: str | None = None) -> None: ...
@@ -43,11 +44,12 @@ class Turn:
 
 @dataclass(frozen=True)
 class Send:
-    """What to tell the engine for a user turn."""
+    """What to tell the backend for a user turn: the local engine takes tokens, a server messages."""
 
     request_id: str
     token_ids: list[int]
     new_request: bool  # add_request with the whole sequence, else continue_request with the suffix
+    messages: tuple[dict[str, str], ...]  # the whole conversation up to this turn
 
 
 class Conversation:
@@ -88,8 +90,8 @@ class Conversation:
         if self.request_id is None:
             self._generation += 1
             self.request_id = f"{self.key}.{self._generation}"
-            return Send(self.request_id, list(self._session.token_ids), new_request=True)
-        return Send(self.request_id, new_ids, new_request=False)
+            return Send(self.request_id, list(self._session.token_ids), True, self._messages())
+        return Send(self.request_id, new_ids, False, self._messages())
 
     def add_reply(self, text: str, token_ids: list[int]) -> None:
         self._session.add_reply(list(token_ids), text)
@@ -102,7 +104,7 @@ class Conversation:
         old = self._drop(self.turns[:-1])
         self._generation += 1
         self.request_id = f"{self.key}.{self._generation}"
-        return old, Send(self.request_id, list(self._session.token_ids), new_request=True)
+        return old, Send(self.request_id, list(self._session.token_ids), True, self._messages())
 
     def fail_turn(self) -> str | None:
         """The last user message failed: forget it. Returns the request to close."""
@@ -138,6 +140,9 @@ class Conversation:
             twin._generation = 1
             twin.request_id = f"{key}.1"
         return twin
+
+    def _messages(self) -> tuple[dict[str, str], ...]:
+        return tuple(dict(message) for message in self._session.messages)
 
     def _drop(self, turns: list[Turn]) -> str | None:
         old, self.request_id = self.request_id, None
