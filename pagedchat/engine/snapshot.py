@@ -1,7 +1,7 @@
 """The engine's state as immutable values: what the UI draws and what tests check."""
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,3 +54,33 @@ class KVSnapshot:
     prefix_cache_hits: int
     tokens_per_second: float
     events: tuple[BlockEvent, ...]
+
+
+def snapshot_to_json(s: KVSnapshot) -> dict:
+    """The snapshot as JSON values, in its own field names; block hashes as strings, since 64-bit ints
+    exceed the integers JSON readers hold exactly."""
+    data = {f.name: getattr(s, f.name) for f in fields(s)}
+    return data | {
+        "blocks": [asdict(b) | {"owners": list(b.owners), "token_ids": list(b.token_ids),
+                                "block_hash": None if b.block_hash is None else str(b.block_hash)} for b in s.blocks],
+        "requests": [asdict(r) | {"block_table": list(r.block_table)} for r in s.requests],
+        "block_tables": {key: list(table) for key, table in s.block_tables.items()},
+        "events": [asdict(e) for e in s.events],
+    }
+
+
+def snapshot_from_json(d: dict) -> KVSnapshot:
+    """The inverse of snapshot_to_json: `snapshot_from_json(snapshot_to_json(s)) == s`."""
+    return _build(KVSnapshot, d | {
+        "blocks": tuple(_build(BlockInfo, b | {
+            "owners": tuple(b["owners"]), "token_ids": tuple(b["token_ids"]),
+            "block_hash": None if b["block_hash"] is None else int(b["block_hash"])}) for b in d["blocks"]),
+        "requests": tuple(_build(RequestInfo, r | {"block_table": tuple(r["block_table"])}) for r in d["requests"]),
+        "block_tables": {key: tuple(table) for key, table in d["block_tables"].items()},
+        "events": tuple(_build(BlockEvent, e) for e in d["events"]),
+    })
+
+
+def _build(cls, d: dict):
+    # Fields a newer server adds are left out, so that an older client can still attach to it.
+    return cls(**{f.name: d[f.name] for f in fields(cls)})

@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from pagedchat.engine.outputs import RequestOutput
+from pagedchat.engine.snapshot import snapshot_to_json
 from pagedchat.serve import metrics
 from pagedchat.serve.async_engine import AsyncEngine, EngineFailure
 from pagedchat.serve.protocol import ApiError, ChatCompletion, Detokenize, TextCompletion, Tokenize
@@ -138,7 +139,7 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     @v1.get("/kv/snapshot")
     async def kv_snapshot():
-        return snapshot_json(state.ready().engine.thread.snapshot)
+        return snapshot_to_json(state.ready().engine.thread.snapshot)
 
     @v1.get("/kv/events")
     async def kv_events(request: Request, since: int | None = None):
@@ -314,16 +315,6 @@ async def stream(run: Run, outputs: AsyncIterator[RequestOutput], body, chat: bo
     if body.include_usage:
         yield chunk([], usage=usage(run, final))
     yield "data: [DONE]\n\n"
-
-
-def snapshot_json(snapshot) -> dict:
-    """The KVSnapshot in DESIGN's field names; block hashes as strings (64-bit ints exceed JSON numbers)."""
-    data = dataclasses.asdict(dataclasses.replace(snapshot, block_tables={})) | {
-        "block_tables": {key: list(table) for key, table in snapshot.block_tables.items()}}
-    for block in data["blocks"]:
-        if block["block_hash"] is not None:
-            block["block_hash"] = str(block["block_hash"])
-    return data
 
 
 async def block_events(served: Served, request: Request, since: int | None) -> AsyncIterator[str]:
