@@ -101,11 +101,12 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         if turn is None:
             prompt = encode_chat(served.tokenizer, body.messages)
             request_id, continued, keep = f"chatcmpl-{uuid.uuid4().hex}", False, False
-            context = len(prompt)
+            context_ids = prompt
         else:
-            prompt, request_id, continued, keep, context = turn.prompt, turn.request_id, turn.continued, True, turn.context
-        params = body.sampling_params(room_after(served, context))
-        run = Run(served, request_id, prompt, params, keep, continued, context)
+            prompt, request_id, continued, keep = turn.prompt, turn.request_id, turn.continued, True
+            context_ids = turn.context_ids
+        params = body.sampling_params(room_after(served, len(context_ids)))
+        run = Run(served, request_id, prompt, params, keep, continued, context_ids)
         if turn is not None:
             run.on_finish, run.on_abandon = turn.finish, turn.abandon
         return await respond(run, body, request, chat=True)
@@ -118,7 +119,7 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         prompt = body.prompt_one()
         prompt_ids = served.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params = body.sampling_params(room_after(served, len(prompt_ids)))
-        run = Run(served, f"cmpl-{uuid.uuid4().hex}", prompt_ids, params, False, False, len(prompt_ids))
+        run = Run(served, f"cmpl-{uuid.uuid4().hex}", prompt_ids, params, False, False, prompt_ids)
         return await respond(run, body, request, chat=False)
 
     @app.post("/tokenize")
@@ -183,7 +184,7 @@ class Run:
     params: object
     keep: bool
     continued: bool
-    context: int  # tokens before the reply: the prompt (all turns of a session)
+    context_ids: list[int]  # the tokens before the reply: the prompt (all turns of a session)
     on_finish: Callable[[RequestOutput], None] | None = None
     on_abandon: Callable[[], None] | None = None  # the client left before the end
 
@@ -191,7 +192,7 @@ class Run:
         return self.served.engine.generate(self.request_id, self.prompt, self.params, self.keep, self.continued)
 
     def finished(self, output: RequestOutput) -> None:
-        self.served.counters.add(output, self.context)
+        self.served.counters.add(output, len(self.context_ids))
         if self.on_finish is not None:
             self.on_finish(output)
 
@@ -269,7 +270,8 @@ def whole_response(run: Run, final: RequestOutput, body, chat: bool) -> dict:
 
 def usage(run: Run, final: RequestOutput) -> dict:
     completion = sum(len(out.token_ids) for out in final.outputs)
-    return {"prompt_tokens": run.context, "completion_tokens": completion, "total_tokens": run.context + completion,
+    context = len(run.context_ids)
+    return {"prompt_tokens": context, "completion_tokens": completion, "total_tokens": context + completion,
             "prompt_tokens_details": {"cached_tokens": final.num_cached_tokens}}
 
 
@@ -285,7 +287,7 @@ async def stream(run: Run, outputs: AsyncIterator[RequestOutput], body, chat: bo
     if chat:
         first = {"role": "assistant", "content": ""}
         yield chunk([{"index": i, "delta": first, "logprobs": None, "finish_reason": None} for i in range(body.n)],
-                    **({"prompt_token_ids": run.prompt} if body.return_token_ids else {}))
+                    **({"prompt_token_ids": run.context_ids} if body.return_token_ids else {}))
     final = None
     try:
         async for final in outputs:

@@ -32,7 +32,7 @@ class Turn:
     request_id: str
     prompt: list[int]  # what to send: the whole conversation, or (continued) the new messages only
     continued: bool
-    context: int  # the conversation's tokens before the reply
+    context_ids: list[int]  # the conversation's tokens before the reply (its whole prompt)
     finish: Callable[[RequestOutput], None]
     abandon: Callable[[], None]
 
@@ -89,7 +89,7 @@ class Sessions:
             if self._sessions.get(key) is session:
                 self.close(key)
 
-        return Turn(session.request_id, prompt, continued, session.chat.num_tokens, finish, abandon)
+        return Turn(session.request_id, prompt, continued, list(session.chat.token_ids), finish, abandon)
 
     def _replay(self, said: list[tuple[str, str]]) -> ChatSession | None:
         """A ChatSession holding these messages, or None if they are not a conversation it can hold
