@@ -44,6 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=POOL_EPILOG + " Keys: f1 in the app.",
     )
     add_engine_flags(parser)
+    attach = parser.add_argument_group("attach to a server", "the app as a client of a vLLM server (or of "
+                                       "`pagedchat serve`): no model is loaded here, and the engine flags above do not apply")
+    attach.add_argument("--attach", metavar="URL", help="the server's address, like http://127.0.0.1:8000")
+    attach.add_argument("--kv-events", metavar="tcp://HOST:PORT[,replay=PORT]",
+                        help="vLLM's KV event publisher (its --kv-events-config endpoint), for the resident blocks; "
+                             "rank r publishes on PORT + r")
+    attach.add_argument("--dp-size", type=int, metavar="N",
+                        help="the server's data-parallel ranks (default: as many as its /metrics name)")
+    attach.add_argument("--api-key", metavar="KEY", help="sent as `Authorization: Bearer KEY`")
     parser.add_argument("--theme", default=DEFAULT_THEME, metavar="NAME",
                         help=f"one of {', '.join(load_themes())} ({DEFAULT_THEME}); switch in the app with ctrl+p")
     parser.add_argument("--demo", action="store_true",
@@ -111,6 +120,38 @@ def check_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"unknown theme {args.theme!r}: choose one of {', '.join(load_themes())}")
     if args.model is not None and not Path(args.model).expanduser().exists():
         raise UsageError(f"model not found: {args.model}")
+
+
+ATTACH_ONLY = ("kv_events", "dp_size", "api_key")
+
+
+def attach_target(args: argparse.Namespace):
+    """The server to attach to, once its flags are known to make sense; None without --attach."""
+    if args.attach is None:
+        given = [flag for flag in ATTACH_ONLY if getattr(args, flag) is not None]
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')} needs --attach URL")
+        return None
+    engine = OneLineParser(add_help=False)
+    add_engine_flags(engine)
+    given = [dest for dest, default in vars(engine.parse_args([])).items() if getattr(args, dest) != default]
+    if given:
+        raise UsageError(f"--{given[0].replace('_', '-')} sets up the local engine, which --attach does not load: "
+                         "drop it (the server's own flags size its engine)")
+    if not args.attach.startswith(("http://", "https://")):
+        raise UsageError(f"--attach needs an http:// or https:// URL, got {args.attach!r}")
+    if args.dp_size is not None and args.dp_size < 1:
+        raise UsageError(f"--dp-size must be at least 1, got {args.dp_size}")
+    try:
+        from pagedchat.attach.kv_events import parse_kv_events
+        from pagedchat.tui.attached import AttachTarget
+    except ImportError as exc:
+        raise UsageError(f"--attach needs its extra: pip install 'pagedchat[attach]' ({exc.name} is missing)") from exc
+    try:
+        kv_events = parse_kv_events(args.kv_events) if args.kv_events is not None else None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    return AttachTarget(args.attach, args.api_key, kv_events, args.dp_size)
 
 
 def check_model(args: argparse.Namespace) -> dict:
@@ -258,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     log_path = log_to_file()
     try:
+        target = attach_target(args)
+        if target is not None:
+            check_flags(args)
+            return run_app(None, target.url, log_path, attach=target, theme=args.theme, demo=args.demo)
         llm_kwargs = checked_llm_kwargs(args)
         history = None if args.no_history else open_history()
     except UsageError as exc:
@@ -265,10 +310,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from pagedchat.engine.llm import LLM
+
+    return run_app(lambda: LLM(**llm_kwargs), Path(llm_kwargs["model"]).name, log_path,
+                   theme=args.theme, demo=args.demo, history=history)
+
+
+def run_app(load_llm, model_name: str, log_path: Path, **options) -> int:
     from pagedchat.tui.app import PagedChatApp
 
-    app = PagedChatApp(lambda: LLM(**llm_kwargs), model_name=Path(llm_kwargs["model"]).name,
-                       theme=args.theme, demo=args.demo, history=history)
+    app = PagedChatApp(load_llm, model_name=model_name, **options)
     app.run()
     if app.load_error is not None:
         print(f"pagedchat: error: {app.load_error} (details in {log_path})", file=sys.stderr)

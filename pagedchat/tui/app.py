@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import platformdirs
 from rich.text import Text
@@ -42,6 +43,10 @@ from pagedchat.tui.settings_screen import SettingsScreen, TabSettings
 from pagedchat.tui.themes import DEFAULT_THEME, SESSION_COLOURS, SessionTag, load_themes
 from pagedchat.tui.worker import WidgetSink
 
+if TYPE_CHECKING:
+    from pagedchat.attach.watch import LogicalSnapshot
+    from pagedchat.tui.attached import AttachTarget
+
 log = logging.getLogger(__name__)
 
 POLL_HZ = 10
@@ -62,7 +67,8 @@ TEACHING_ACTIONS = {"pause", "resume", "step", "slow_motion"}  # the local engin
 
 
 class PagedChatApp(App):
-    """`load_llm` builds the `LLM` (in a worker thread, after the screen opens)."""
+    """`load_llm` builds the `LLM` (in a worker thread, after the screen opens); with `attach` the tabs
+    chat with that server instead, and no model is loaded."""
 
     CSS_PATH = "app.tcss"
     TITLE = "pagedchat"
@@ -90,7 +96,8 @@ class PagedChatApp(App):
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
-    def __init__(self, load_llm: Callable[[], object], *, model_name: str = "the model",
+    def __init__(self, load_llm: Callable[[], object] | None, *, model_name: str = "the model",
+                 attach: "AttachTarget | None" = None,
                  theme: str = DEFAULT_THEME, demo: bool = False, params: SamplingParams = DEFAULT_PARAMS,
                  history: History | None = None,
                  on_engine: Callable[[object, EngineThread], None] | None = None) -> None:
@@ -105,6 +112,11 @@ class PagedChatApp(App):
         self.chat: ChatBackend | None = None  # what the tabs chat with
         self.load_error: str | None = None  # why loading failed, for the one line the CLI prints
         self._load_llm = load_llm
+        self.attached = None
+        if attach is not None:  # the attach extra's packages are imported only when attaching
+            from pagedchat.tui.attached import Attached
+
+            self.attached = Attached(attach)
         self._model_name = model_name
         self._params = params  # sampling of new tabs
         self.tokenizer = None  # the UI thread's own (_load_with_tokenizer)
@@ -113,7 +125,7 @@ class PagedChatApp(App):
         self._tabs_opened = 0
         self._labels: dict[str, tuple] = {}  # tab id: (title, theme, state), token count as shown
         self._counts_shown_at = 0.0
-        self._snapshot: KVSnapshot | None = None
+        self._snapshot: "KVSnapshot | LogicalSnapshot | None" = None
         self._poll_timer: Timer | None = None
         self._quiet_polls = 0
         self._frame_budget = FrameBudget(UI_CPU_SHARE, MAX_DRAW_GAP_S)
@@ -139,12 +151,18 @@ class PagedChatApp(App):
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, self.exit)
-        self.push_screen(LoadingScreen(self._model_name))
-        self._load()
+        if self.attached:
+            self.push_screen(LoadingScreen(self.attached.target.url, doing="connecting to"))
+            self._attach()
+        else:
+            self.push_screen(LoadingScreen(self._model_name))
+            self._load()
 
-    def on_unmount(self) -> None:
+    async def on_unmount(self) -> None:
         if self.worker is not None:
             self.worker.stop()
+        if self.attached is not None:
+            await self.attached.close()
         gc.unfreeze()  # a process that goes on (tests, benchmarks) can collect what the app held
 
     # -- loading -----------------------------------------------------------------------------------
@@ -173,6 +191,27 @@ class PagedChatApp(App):
         self.chat = LocalChat(self.worker, self.tokenizer, self._max_len)
         if self._on_engine is not None:
             self._on_engine(llm, self.worker)
+        await self._open_first_tabs()
+
+    @work(exit_on_error=False)
+    async def _attach(self) -> None:
+        attached = self.attached
+        try:
+            await attached.connect()
+        except Exception as exc:
+            log.exception("attaching to %s failed", attached.target.url)
+            self.load_error = one_line(exc)
+            self.exit(return_code=1)
+            return
+        self.chat = attached.chat
+        self._max_len = attached.chat.max_len
+        if not attached.grid:
+            await self.query_one(KVPanel).remove()
+            await self.query_one("#main").mount(attached.panel())
+        attached.when_text_arrives(self._redraw_panel)
+        await self._open_first_tabs()
+
+    async def _open_first_tabs(self) -> None:
         self._poll_timer = self.set_interval(1 / POLL_HZ, self._poll)
         saved = self.history.open_chats() if self.history and not self._demo_on else []
         if saved:
@@ -260,7 +299,7 @@ class PagedChatApp(App):
         pane = ChatPane(conversation, title, colour, self.chat, chat_record, label)
         self._panes[conversation.key] = pane
         if self._snapshot is not None:  # the panel names and colours requests by their tabs
-            self.query_one(KVPanel).show(self._snapshot, self._tag_of, self._decode)
+            self._redraw_panel()
         await self._tabbed.add_pane(pane)
         self._tabbed.active = pane.id
         self._focus_box(pane)
@@ -462,18 +501,18 @@ class PagedChatApp(App):
         for pane in self._panes.values():
             pane.catch_up()  # every tab keeps its reply in progress (and its saved copy) current
         # The budget guards a running engine; in teaching mode each step is drawn at once.
-        teaching = self.worker.paused or self.worker.delay
+        teaching = self.worker is not None and (self.worker.paused or self.worker.delay)
         if not self._frame_budget.due() and not teaching:
             return
         with self.batch_update():  # one frame for all of it
             if (pane := self.current_pane) is not None:
                 await pane.draw()
-            snapshot = self.worker.snapshot
+            snapshot = self.attached.snapshot if self.attached else self.worker.snapshot
             if snapshot is not self._snapshot:
                 self._snapshot = snapshot
                 self._quiet_polls = 0
-                self.query_one(KVPanel).show(snapshot, self._tag_of, self._decode)
-            elif not any(pane.replying for pane in self._panes.values()):
+                self._redraw_panel()
+            elif self.worker is not None and not any(pane.replying for pane in self._panes.values()):
                 # The engine moves only on a command (`_wake`): after a quiet second, stop polling
                 # until the next command (`_wake`), so an idle app costs nothing.
                 self._quiet_polls += 1
@@ -494,16 +533,26 @@ class PagedChatApp(App):
         pane = self._panes.get(request_id.rsplit(".", 1)[0])
         return SessionTag(pane.title, pane.colour) if pane else SessionTag.fallback(request_id)
 
+    def _redraw_panel(self) -> None:
+        snapshot = self._snapshot
+        if isinstance(snapshot, KVSnapshot):
+            self.query_one(KVPanel).show(snapshot, self._tag_of, self._decode)
+        elif snapshot is not None:  # an attached vLLM's logical view
+            self.query_one("LogicalPanel").show(snapshot, self.attached.contexts(), self._tag_of)
+
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids)
+        return self.attached.decode(token_ids) if self.attached else self.tokenizer.decode(token_ids)
 
     def _update_labels(self) -> None:
-        infos = {info.request_id: info for info in self._snapshot.requests} if self._snapshot else {}
+        infos = {info.request_id: info for info in self._snapshot.requests} \
+            if isinstance(self._snapshot, KVSnapshot) else {}
+        contexts = self.attached.contexts() if self.attached else {}
         labels = {}
         for key, pane in self._panes.items():
             info = infos.get(pane.conversation.request_id)
             state = STATES.get(info.status if info else "waiting", "idle") if pane.replying else "idle"
-            tokens = info.num_tokens if info else pane.conversation.num_tokens
+            tokens = info.num_tokens if info else len(contexts.get(pane.conversation.request_id, ())) \
+                if self.attached else pane.conversation.num_tokens
             labels[key] = ((pane.title, self.theme, state), tokens)
         changed = {key: label for key, label in labels.items() if self._labels.get(key) != label}
         # A relabel lays out the whole screen (~15 ms here), however many tabs it changes. While

@@ -11,8 +11,7 @@ from pagedchat.tui.themes import SessionTag
 HINT = "click a block, or focus the grid (tab) and use the arrow keys, to see what it holds"
 
 
-def detail_text(block: BlockInfo, block_size: int, tag_of: Callable[[str], SessionTag],
-                decode: Callable[[list[int]], str]) -> Text:
+def detail_text(block: BlockInfo, block_size: int, tag_of: Callable[[str], SessionTag], tokens_text: str) -> Text:
     state = "free" if block.ref_count == 0 else "shared" if block.ref_count > 1 else "in use"
     if block.ref_count == 0 and block.cached:
         state = "free, cached prefix"
@@ -22,7 +21,7 @@ def detail_text(block: BlockInfo, block_size: int, tag_of: Callable[[str], Sessi
     owners = ", ".join(tag_of(owner).name for owner in block.owners) or "none"
     text.append(f"owners: {owners}\n")
     text.append(f"hash: {block.block_hash:016x}\n" if block.block_hash is not None else "hash: none (not full)\n")
-    text.append(repr(decode(list(block.token_ids))) if block.token_ids else "(empty)", style="italic")
+    text.append(repr(tokens_text) if block.token_ids else "(empty)", style="italic")
     return text
 
 
@@ -42,7 +41,9 @@ class BlockDetail(Static):
 
     def show(self, block: BlockInfo | None, block_size: int, tag_of: Callable[[str], SessionTag],
              decode: Callable[[list[int]], str]) -> None:
-        key = None if block is None else (block, tuple(tag_of(owner) for owner in block.owners))
+        # The text is part of the key: an attached server's arrives a moment after the block is chosen.
+        tokens_text = decode(list(block.token_ids)) if block is not None and block.token_ids else ""
+        key = None if block is None else (block, tuple(tag_of(owner) for owner in block.owners), tokens_text)
         if key != self._key:
             self._key = key
-            self.update(HINT if block is None else detail_text(block, block_size, tag_of, decode))
+            self.update(HINT if block is None else detail_text(block, block_size, tag_of, tokens_text))

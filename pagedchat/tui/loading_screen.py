@@ -38,9 +38,10 @@ class LoadingScreen(Screen):
     }
     """
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, doing: str = "loading") -> None:
         super().__init__()
         self.what = what
+        self.doing = doing
         self.sent = False  # the user pressed enter: the box holds a message to send, not a draft
         self._started = time.monotonic()
 
@@ -49,7 +50,7 @@ class LoadingScreen(Screen):
             with Center():
                 yield Static("pagedchat", id="title")
             with Center():
-                yield Static(f"loading {self.what}", id="what")
+                yield Static(f"{self.doing} {self.what}", id="what")
             with Center():
                 yield ProgressBar(total=None, show_eta=False)  # no total: loading reports no fractions
             with Center():
