@@ -64,6 +64,9 @@ class RemoteChat:
         for server_id in [key for key, ours in self.server_ids.items() if ours == request_id]:
             del self.server_ids[server_id]
 
+    def session_id(self, request_id: str) -> str:
+        return f"{self._session_prefix}-{request_id}"
+
     def fork(self, source_id: str, twin_id: str, sink: Sink) -> None:
         """Nothing to tell the server: the twin sends its history with its first turn."""
 
@@ -78,7 +81,7 @@ class RemoteChat:
         self._progress[request_id] = output
         try:
             async for delta in self.client.chat(list(send.messages), params,
-                                                session_id=f"{self._session_prefix}-{request_id}"):
+                                                session_id=self.session_id(request_id)):
                 self.server_ids[delta.request_id] = request_id
                 if delta.prompt_token_ids is not None:
                     output.prompt_token_ids = list(delta.prompt_token_ids)
