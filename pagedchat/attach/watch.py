@@ -123,20 +123,21 @@ class LogicalWatch:
 
     def _publish(self, metrics: ServerMetrics | None, problem: str | None) -> None:
         contexts = self._contexts()
-        ranks = tuple(self._rank_view(rank, tree, contexts) for rank, tree in self._trees.items())
+        ranks = tuple(rank_view(rank, tree, contexts, self._problems.get(rank))
+                      for rank, tree in self._trees.items())
         self.snapshot = LogicalSnapshot(self._client.base_url, metrics, *self._rate, self._kv_events is not None,
                                         ranks, problem)
 
-    def _rank_view(self, rank: int, tree: PrefixTree, contexts: Mapping[str, Sequence[int]]) -> RankView:
-        blocks: list[TreeBlock] = []
-        stack = [(node, 0) for node in reversed(tree.roots())]
-        while stack:
-            node, depth = stack.pop()
-            blocks.append(TreeBlock(node.hash, node.parent, node.token_ids, depth, tree.orphan(node.hash)))
-            stack.extend((child, depth + 1) for child in reversed(tree.children(node.hash)))
-        matches = {request_id: tuple(tree.match(ids)) for request_id, ids in contexts.items()}
-        return RankView(rank, tree.block_size, tuple(blocks), tuple(tree.evictions), matches, tree.partial,
-                        self._problems.get(rank))
+def rank_view(rank: int, tree: PrefixTree, contexts: Mapping[str, Sequence[int]],
+              problem: str | None = None) -> RankView:
+    blocks: list[TreeBlock] = []
+    stack = [(node, 0) for node in reversed(tree.roots())]
+    while stack:
+        node, depth = stack.pop()
+        blocks.append(TreeBlock(node.hash, node.parent, node.token_ids, depth, tree.orphan(node.hash)))
+        stack.extend((child, depth + 1) for child in reversed(tree.children(node.hash)))
+    matches = {request_id: tuple(tree.match(ids)) for request_id, ids in contexts.items()}
+    return RankView(rank, tree.block_size, tuple(blocks), tuple(tree.evictions), matches, tree.partial, problem)
 
 
 class GridWatch:

@@ -129,7 +129,7 @@ class LogicalPanel(Vertical):
         self._contexts: dict[str, Sequence[int]] = {}
         self._tag_of: Callable[[str], SessionTag] = SessionTag.fallback
         self._shapes: dict[int, tuple] = {}  # rank: the (block, parent) pairs its tree was built from
-        self._nodes: dict[tuple[int, Hash], TreeNode] = {}
+        self._tree_nodes: dict[tuple[int, Hash], TreeNode] = {}
 
     def compose(self) -> ComposeResult:
         yield TextPanel(NOTICE, id="stats")
@@ -164,23 +164,23 @@ class LogicalPanel(Vertical):
         if shape != self._shapes.get(view.rank):
             self._rebuild(tree, view)
             self._shapes[view.rank] = shape
-        rank_node = self._nodes[(view.rank, None)]
+        rank_node = self._tree_nodes[(view.rank, None)]
         rank_node.set_label(self._rank_label(view))
         for block in view.blocks:
-            self._nodes[(view.rank, block.block_hash)].set_label(self._block_label(block, owners.get(block.block_hash, [])))
+            self._tree_nodes[(view.rank, block.block_hash)].set_label(self._block_label(block, owners.get(block.block_hash, [])))
 
     def _rebuild(self, tree: Tree, view: RankView) -> None:
         selected = tree.cursor_node.data.block_hash if tree.cursor_node and tree.cursor_node.data else None
-        if (old := self._nodes.get((view.rank, None))) is not None:
+        if (old := self._tree_nodes.get((view.rank, None))) is not None:
             old.remove()
-        self._nodes = {key: node for key, node in self._nodes.items() if key[0] != view.rank}
+        self._tree_nodes = {key: node for key, node in self._tree_nodes.items() if key[0] != view.rank}
         rank_node = tree.root.add(self._rank_label(view), data=None, expand=True)
-        self._nodes[(view.rank, None)] = rank_node
+        self._tree_nodes[(view.rank, None)] = rank_node
         for block in view.blocks:
-            parent = self._nodes.get((view.rank, block.parent), rank_node) if not block.orphan else rank_node
-            self._nodes[(view.rank, block.block_hash)] = parent.add(
+            parent = self._tree_nodes.get((view.rank, block.parent), rank_node) if not block.orphan else rank_node
+            self._tree_nodes[(view.rank, block.block_hash)] = parent.add(
                 self._block_label(block, []), data=block, expand=True, allow_expand=False)
-        if selected is not None and (node := self._nodes.get((view.rank, selected))) is not None:
+        if selected is not None and (node := self._tree_nodes.get((view.rank, selected))) is not None:
             tree.move_cursor(node)
 
     def _rank_label(self, view: RankView) -> Text:
