@@ -63,7 +63,6 @@ STATE_WIDTH = max(map(len, STATES.values()))
 CHAT_ACTIONS = {"new_chat", "close_chat", "fork_chat", "stop", "regenerate", "pause", "resume", "step",
                 "slow_motion", "settings", "copy_reply", "export_chat", "previous_tab", "next_tab",
                 "toggle_demo"}
-TEACHING_ACTIONS = {"pause", "resume", "step", "slow_motion"}  # the local engine's only
 
 
 class PagedChatApp(App):
@@ -422,8 +421,15 @@ class PagedChatApp(App):
     def action_resume(self) -> None:
         self._set_paused(False)
 
-    def _set_paused(self, paused: bool) -> None:
+    def _local_engine(self) -> bool:
+        """Teaching mode drives the local engine; an attached server's engine runs on its own."""
         if self.worker is None:
+            self.notify("Pause, step and slow motion work on the local engine only: "
+                        "an attached server's engine runs on its own.", severity="warning")
+        return self.worker is not None
+
+    def _set_paused(self, paused: bool) -> None:
+        if not self._local_engine():
             return
         self.worker.set_paused(paused)
         self.notify("Engine paused: f6 runs one step, f5 resumes." if paused else "Engine resumed.")
@@ -440,7 +446,7 @@ class PagedChatApp(App):
         return "pause" if self.worker is not None and self.worker.paused else "resume"
 
     def action_step(self) -> None:
-        if self.worker is None:
+        if not self._local_engine():
             return
         if not self.worker.paused:
             self.notify("f6 runs one step while the engine is paused (f5).", severity="warning")
@@ -448,7 +454,7 @@ class PagedChatApp(App):
         self.worker.step_once()
 
     def action_slow_motion(self) -> None:
-        if self.worker is None:
+        if not self._local_engine():
             return
         delay = SLOW_MOTION[(SLOW_MOTION.index(self.worker.delay) + 1) % len(SLOW_MOTION)] \
             if self.worker.delay in SLOW_MOTION else 0.0
@@ -583,8 +589,6 @@ class PagedChatApp(App):
         if action in CHAT_ACTIONS and (self.chat is None or isinstance(self.screen, (LoadingScreen,))
                                        or self.screen.is_modal):
             return False
-        if action in TEACHING_ACTIONS and self.worker is None:
-            return False
         if action == self._f5_action_off():
             return False
         return True
@@ -596,8 +600,7 @@ class PagedChatApp(App):
         if self.chat is None:
             return
         for binding in self.BINDINGS:
-            if binding.action in CHAT_ACTIONS and binding.action != self._f5_action_off() \
-                    and (binding.action not in TEACHING_ACTIONS or self.worker is not None):
+            if binding.action in CHAT_ACTIONS and binding.action != self._f5_action_off():
                 yield SystemCommand(binding.description, f"{binding.description} ({binding.key})",
                                     lambda action=binding.action: self.run_action(action))
         yield SystemCommand("Demo: start/stop", "Tabs that chat by themselves from built-in prompts",
