@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from test_serve import KEY, Live, free_port, wait_for
-from vllm_server import vllm_python, vllm_server
+from vllm_server import BLOCK_SIZE, vllm_python, vllm_server
 
 from pagedchat import SamplingParams
 from pagedchat.attach.client import ApiClient, ApiError
@@ -231,6 +231,5 @@ def test_the_client_against_a_real_vllm_server():
     assert deltas[0].prompt_token_ids
     assert sum(len(d.token_ids) for d in deltas) == 8 and text == "".join(d.text for d in deltas)
     assert [d.finish_reason for d in deltas if d.finish_reason] == ["length"]
-    assert deltas[-1].cached_tokens is None  # vLLM gives it only with --enable-prompt-tokens-details
-    # vllm_server starts it with --disable-log-stats, and vLLM then publishes none of its vllm:* metrics.
-    assert (metrics.num_blocks, metrics.block_size, metrics.ranks) == (None, None, 1)
+    assert deltas[-1].cached_tokens is not None  # vllm_server passes --enable-prompt-tokens-details
+    assert metrics.num_blocks and (metrics.block_size, metrics.ranks) == (BLOCK_SIZE, 1)

@@ -26,7 +26,9 @@ pytestmark = [pytest.mark.vllm,
 
 SYSTEM = ("You are a patient tutor who explains how computers manage memory. Use short sentences, give one "
           "concrete example for every idea, and never use jargon without explaining it first. When a "
-          "student is confused, slow down and ask what they already know before you go on.")
+          "student is confused, slow down and ask what they already know before you go on. Prefer pictures "
+          "in words: shelves, boxes, pages of a notebook. End every answer with one question that checks "
+          "the student understood, and wait for the answer before you teach the next idea.")
 PARAMS = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
 

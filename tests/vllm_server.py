@@ -49,7 +49,8 @@ def vllm_server(env: Mapping[str, str] = {}) -> Iterator[tuple[str, str]]:
                "--max-model-len", "2048", "--max-num-seqs", "4", "--block-size", str(BLOCK_SIZE),
                "--enable-prefix-caching", "--enforce-eager", "--seed", "0",
                "--kv-events-config", json.dumps(kv_events_config),
-               "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log", "--disable-log-stats"]
+               "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log",
+               "--enable-prompt-tokens-details"]  # stats stay on: without them /metrics has no vllm: metrics
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", **env}
     log = Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
     with open(log, "w") as out:
