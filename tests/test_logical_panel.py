@@ -62,7 +62,7 @@ async def test_tabs_sharing_a_system_prompt_show_its_blocks_as_shared_and_an_evi
         panel.show(snapshot, contexts, tag_of)
         await pilot.pause()
         stats = text_of(panel, "#stats")
-        assert NOTICE in stats and "pool 1,000 blocks × 16 tok" in stats and "25% in use" in stats
+        assert NOTICE in stats and "pool 1,000 blocks × 16 tok" in stats and "25.0% in use" in stats
         assert "run 1 · wait 2 · preemptions 3" in stats and "50% now, 25% overall · 12.5 tok/s" in stats
         tabs = text_of(panel, "#tabs").splitlines()
         assert tabs == ["■ chat 1: 3/3 blocks resident · 2 shared with chat 2",

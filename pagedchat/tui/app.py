@@ -556,7 +556,11 @@ class PagedChatApp(App):
         labels = {}
         for key, pane in self._panes.items():
             info = infos.get(pane.conversation.request_id)
-            state = STATES.get(info.status if info else "waiting", "idle") if pane.replying else "idle"
+            # Without the request in a snapshot (not stepped yet, or a server that publishes none), the
+            # reply's own progress tells waiting from generating.
+            progress = self.chat.progress(pane.conversation.request_id) if pane.replying else None
+            status = info.status if info else "running" if progress and progress.token_ids else "waiting"
+            state = STATES.get(status, "idle") if pane.replying else "idle"
             tokens = info.num_tokens if info else len(contexts.get(pane.conversation.request_id, ())) \
                 if self.attached else pane.conversation.num_tokens
             labels[key] = ((pane.title, self.theme, state), tokens)

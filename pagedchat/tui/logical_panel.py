@@ -42,7 +42,8 @@ def stats_text(snapshot: LogicalSnapshot) -> Text:
     ranks = f" · {metrics.ranks} ranks" if metrics.ranks > 1 else ""
     text.append(f"\n{pool}{ranks}\n")
     text.append("█" * filled + "·" * (BAR_WIDTH - filled))
-    text.append(f" {100 * metrics.usage:.0f}% in use\n", style="bold")
+    # A few blocks of a large pool are well under 1%: one decimal, so that a reply's blocks show.
+    text.append(f" {100 * metrics.usage:.1f}% in use\n", style="bold")
     text.append(f"run {metrics.running} · wait {metrics.waiting} · preemptions {metrics.preemptions}\n")
     hits = f"{100 * snapshot.hit_rate:.0f}%" if snapshot.hit_rate is not None else "–"
     total = f"{100 * metrics.prefix_hits / metrics.prefix_queries:.0f}%" if metrics.prefix_queries else "–"
