@@ -1,5 +1,7 @@
 """One compiled bucket on one tiny model: compiled in the background, then used, still equal to HF."""
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -69,6 +71,38 @@ def test_a_new_thread_count_is_compiled_in_the_background(tiny_model):
         assert compiled.wait(timeout=900) and compiled.ready_threads == {1, 2}
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_engine_on_a_thread_of_its_own_gets_its_thread_count_compiled(tiny_model):
+    """As in the app and the server: the engine thread computes with fewer threads than the main thread.
+    torch's count is per thread, so the step must be compiled at the engine thread's count, and then run
+    there without compiling again."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the main thread's count, which a new thread starts from
+    result = {}
+
+    def engine_thread() -> None:
+        llm = make_llm(tiny_model, compile=True, num_threads=1)
+        compiled = llm.engine.runner.compiled
+        result["ready"] = compiled.wait(timeout=900)
+        frames = dict(torch._dynamo.utils.counters["frames"])
+        calls = []
+        fn = compiled.fn
+        compiled.fn = lambda *args: calls.append(1) or fn(*args)
+        prompt = random_prompts(seed=14, lengths=[13])[0]
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10))[0]
+        result.update(tokens=out.token_ids, prompt=prompt, calls=len(calls),
+                      recompiled=dict(torch._dynamo.utils.counters["frames"]) != frames)
+
+    try:
+        thread = threading.Thread(target=engine_thread)
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(before)
+    assert result["ready"]
+    assert result["tokens"] == hf_greedy(tiny_model, result["prompt"], 10, min_new_tokens=10)
+    assert result["calls"] == 9 and not result["recompiled"]
 
 
 def test_a_failing_compile_is_tried_three_times_and_the_engine_serves_eagerly(tiny_model, monkeypatch):
