@@ -270,10 +270,14 @@ class PagedChatApp(App):
         self._carry_over(*typed)
 
     def _params_of(self, settings: dict) -> SamplingParams:
+        """A saved tab's sampling: the app's, with the settings the tab saved (chat_record.settings_of);
+        a setting it has not saved (an older history's penalties) stays the app's."""
+        from dataclasses import replace
+
+        from pagedchat.tui.chat_record import SAVED_SETTINGS
+
         try:
-            return SamplingParams(temperature=settings.get("temperature", self._params.temperature),
-                                  top_p=settings.get("top_p", self._params.top_p),
-                                  max_tokens=settings.get("max_tokens", self._params.max_tokens))
+            return replace(self._params, **{name: settings[name] for name in SAVED_SETTINGS if name in settings})
         except (TypeError, ValueError):  # settings a user could not have saved: the defaults
             return self._params
 

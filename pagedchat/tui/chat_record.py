@@ -13,8 +13,12 @@ from pagedchat.tui.conversation import Conversation
 SAVE_EVERY_S = 1.0
 
 
+# What a tab's settings hold (the f2 dialog's fields), saved with the chat and read back by the app.
+SAVED_SETTINGS = ("temperature", "top_p", "max_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
 def settings_of(params: SamplingParams) -> dict:
-    return {"temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens}
+    return {name: getattr(params, name) for name in SAVED_SETTINGS}
 
 
 class ChatRecord:
@@ -51,3 +55,6 @@ class ChatRecord:
 
     def close(self) -> None:
         self.history.close_chat(self.chat_id)
+
+    def reopen(self) -> None:
+        self.history.reopen_chat(self.chat_id)

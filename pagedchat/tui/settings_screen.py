@@ -1,6 +1,7 @@
 """A tab's system prompt and sampling settings."""
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -9,6 +10,17 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static, TextArea
 
 from pagedchat.engine.params import SamplingParams
+
+
+# The sampling fields, row by row: SamplingParams' name, the label, the tooltip.
+FIELDS = (
+    (("temperature", "Temperature", "0 is greedy"),
+     ("top_p", "Top-p", "in (0, 1]"),
+     ("max_tokens", "Max tokens", "per reply")),
+    (("repetition_penalty", "Repetition penalty", "> 0; 1 is off; over the prompt and the reply"),
+     ("presence_penalty", "Presence penalty", "in [-2, 2]; 0 is off; tokens the reply has used"),
+     ("frequency_penalty", "Frequency penalty", "in [-2, 2]; 0 is off; by how often the reply used them")),
+)
 
 
 @dataclass(frozen=True)
@@ -64,14 +76,12 @@ class SettingsScreen(ModalScreen[TabSettings | None]):
             yield Label(f"[b]{self.title}[/b]: settings")
             yield Label("System prompt (empty: the model's default)")
             yield TextArea(self.settings.system_prompt or "", id="system", soft_wrap=True)
-            with Horizontal():
-                for name, label, value, hint in (
-                        ("temperature", "Temperature", params.temperature, "0 is greedy"),
-                        ("top_p", "Top-p", params.top_p, "in (0, 1]"),
-                        ("max_tokens", "Max tokens", params.max_tokens, "per reply")):
-                    with Vertical():
-                        yield Label(label)
-                        yield Input(str(value), id=name, tooltip=hint)
+            for row in FIELDS:
+                with Horizontal():
+                    for name, label, hint in row:
+                        with Vertical():
+                            yield Label(label)
+                            yield Input(_shown(getattr(params, name)), id=name, tooltip=hint)
             yield Static(id="error")
             with Horizontal(id="buttons"):
                 yield Button("Cancel", id="cancel")
@@ -85,13 +95,21 @@ class SettingsScreen(ModalScreen[TabSettings | None]):
         if event.button.id == "cancel":
             self.dismiss(None)
             return
+        values = {}
+        for row in FIELDS:
+            for name, _, _ in row:
+                text = self.query_one(f"#{name}", Input).value.strip()
+                try:
+                    values[name] = int(text) if name == "max_tokens" else float(text)
+                    if not math.isfinite(values[name]):
+                        raise ValueError(text)
+                except ValueError:
+                    kind = "a whole number" if name == "max_tokens" else "a number"
+                    self.query_one("#error", Static).update(f"{name} must be {kind}, got {text!r}")
+                    return
         try:
-            params = SamplingParams(
-                temperature=float(self.query_one("#temperature", Input).value),
-                top_p=float(self.query_one("#top_p", Input).value),
-                max_tokens=int(self.query_one("#max_tokens", Input).value),
-                seed=self.settings.params.seed,
-            )
+            # The tab's other settings (its seed, stop strings, ...) are kept as they were.
+            params = replace(self.settings.params, **values)
         except ValueError as exc:
             self.query_one("#error", Static).update(str(exc))
             return
@@ -100,3 +118,12 @@ class SettingsScreen(ModalScreen[TabSettings | None]):
 
     def action_cancel(self) -> None:
         self.dismiss(None)
+
+
+def _shown(value: float | int | None) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, int):
+        return str(value)
+    short = f"{value:g}"  # 1.0 as "1", 0.95 as "0.95"; the full digits where that would round
+    return short if float(short) == value else repr(value)
