@@ -1,16 +1,17 @@
 """Replies that loop (issue 16, item 9): how many of 20 fixed chat prompts x fixed seeds the default
 model answers with a loop, under the app's sampling (temperature 0.7, top_p 0.95, 512 tokens) with no
-penalty and with candidate penalty settings.
+penalty (the app's default before issue 16) and with candidate penalties (`freq0.5`: its default since).
 
     python -m bench.loops [--seeds 1] [--threads 2] [--settings none rep1.1 ...] [--show]
 
 A loop: some 8-token n-gram occurs 3 or more times in the reply's tokens (occurrences counted without
 overlap, so that a run of one token needs 24 of them, not 10). Each prompt is rendered with the chat
 template as the app sends it (`ChatSession`, the template's default system prompt); each (prompt, seed)
-pair is one request with its own seed and penalties, so its reply is the same in any batch; one
-`LLM.generate` call holds every setting's requests. Besides the loops: the mean reply length, how many
-replies ran to the token limit, and distinct-2 (unique token bigrams / bigrams, over all replies) --
-a penalty that cuts loops by making replies ramble shows there as long replies at the limit.
+pair is one request with its own seed and penalties; one `LLM.generate` call holds every setting's
+requests (another batch moves the logits by rounding: a count can move by a reply or two). Besides the
+loops: the mean reply length (of all replies, and of those that do not loop), how many replies ran to
+the token limit, and distinct-2 (unique token bigrams / bigrams, over all replies) -- a penalty that
+cuts loops by making replies ramble on shows there as long replies at the limit.
 """
 
 import time
@@ -50,6 +51,7 @@ SETTINGS = {
     "rep1.1": (1.1, 0.0, 0.0),
     "rep1.2": (1.2, 0.0, 0.0),
     "rep1.3": (1.3, 0.0, 0.0),
+    "freq0.3": (1.0, 0.0, 0.3),
     "freq0.5": (1.0, 0.0, 0.5),
     "pres0.5": (1.0, 0.5, 0.0),
     "rep1.1+freq0.3": (1.1, 0.0, 0.3),
@@ -96,6 +98,11 @@ class Result:
         return sum(map(len, self.replies)) / len(self.replies)
 
     @property
+    def mean_len_unlooped(self) -> float | None:
+        lengths = [len(r) for r in self.replies if not loops(r)]
+        return sum(lengths) / len(lengths) if lengths else None
+
+    @property
     def at_limit(self) -> int:
         return sum(f == "length" for f in self.finish)
 
@@ -119,8 +126,9 @@ def requests(tokenizer, names: list[str], seeds: list[int]) -> tuple[list[list[i
 
 def run_settings(model: str | None, dtype: str, names: list[str], seeds: list[int]) -> tuple[list[Result], object]:
     """All settings' requests in one `LLM.generate` call: on 2 cores a step of 140 rows costs little more
-    than one of 20, and a setting's replies do not depend on their batch (each request has its own seed
-    and its own penalties). The pool holds them all at once: nothing is preempted."""
+    than one of 20. Each request has its own seed and penalties; its logits still move with the batch by
+    rounding (bf16), so a sampled reply can part from the same request's in another batch after a while.
+    The pool holds them all at once: nothing is preempted."""
     from pagedchat.engine.loader import resolve_model
     from transformers import AutoTokenizer
 
@@ -153,7 +161,8 @@ def loops_section(model: str | None, dtype: str, names: list[str], seeds: list[i
                       flush=True)
     n = len(results[0].replies)
     rows = [[r.name, f"{r.penalties[0]:g}", f"{r.penalties[1]:g}", f"{r.penalties[2]:g}", f"{r.looped} / {n}",
-             f"{r.mean_len:.0f}", f"{r.at_limit} / {n}", f"{distinct_2(r.replies):.3f}"] for r in results]
+             f"{r.mean_len:.0f}", "-" if r.mean_len_unlooped is None else f"{r.mean_len_unlooped:.0f}",
+             f"{r.at_limit} / {n}", f"{distinct_2(r.replies):.3f}"] for r in results]
     section = Section(
         f"Issue 16: replies that loop, {len(PROMPTS)} chat prompts x {len(seeds)} seed(s) ({dtype}; "
         f"`python -m bench.loops`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
@@ -163,7 +172,7 @@ def loops_section(model: str | None, dtype: str, names: list[str], seeds: list[i
                   f"loop: an {NGRAM}-token n-gram occurring {TIMES} or more times (without overlap) in the reply",
                   f"load average (1/5/15 min) at start: {load_before}; at end: {load_average()}"],
         tables=[Table(["setting", "repetition", "presence", "frequency", "replies that loop", "mean tokens",
-                       "at the limit (512)", "distinct-2"], rows)])
+                       "mean tokens, no loop", "at the limit (512)", "distinct-2"], rows)])
     section.seconds = time.perf_counter() - began
     return section
 

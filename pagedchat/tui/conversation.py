@@ -13,7 +13,7 @@ from typing import Protocol
 
 from pagedchat.engine.params import SamplingParams
 
-DEFAULT_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512)
+DEFAULT_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512, frequency_penalty=0.5)  # bench/loops.py
 
 
 class ChatSessionLike(Protocol):
