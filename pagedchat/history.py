@@ -98,6 +98,9 @@ class History:
         """The tab was closed: keep the chat, but do not offer it back at the next start."""
         self._run("UPDATE chats SET closed = 1 WHERE id = ?", (chat_id,))
 
+    def reopen_chat(self, chat_id: int) -> None:
+        self._run("UPDATE chats SET closed = 0 WHERE id = ?", (chat_id,))
+
     def open_chats(self) -> list[SavedChat]:
         """The chats whose tabs were open when the app last stopped, oldest first."""
         rows = self._run("SELECT id, title, system_prompt, settings FROM chats WHERE closed = 0 ORDER BY id").fetchall()

@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import platformdirs
@@ -49,6 +50,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+@dataclass(frozen=True, slots=True)
+class ClosedChat:
+    conversation: Conversation
+    title: str
+    record: ChatRecord | None
+    draft: str
+
 POLL_HZ = 10
 UI_CPU_SHARE = 0.03  # of a core: the UI thread's while the engine works, drawing gives way (frame_budget.py)
 MAX_DRAW_GAP_S = 1.0
@@ -58,9 +67,10 @@ DEMO_TABS = 4
 DEMO_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=160)
 STATES = {"waiting": "waiting", "running": "generating", "preempted": "preempted"}
 STATE_WIDTH = max(map(len, STATES.values()))
+CLOSED_KEPT = 20  # closed tabs that ctrl+t can bring back, the last closed first
 # Actions that belong to the chat screen: off while a dialog or the loading screen is up, so that
 # escape and friends reach the dialog despite being priority bindings.
-CHAT_ACTIONS = {"new_chat", "close_chat", "fork_chat", "stop", "regenerate", "pause", "resume", "step",
+CHAT_ACTIONS = {"new_chat", "close_chat", "reopen_chat", "fork_chat", "stop", "regenerate", "pause", "resume", "step",
                 "slow_motion", "settings", "copy_reply", "export_chat", "previous_tab", "next_tab",
                 "toggle_demo"}
 
@@ -76,6 +86,7 @@ class PagedChatApp(App):
     BINDINGS = [
         Binding("ctrl+n", "new_chat", "New chat", priority=True),
         Binding("ctrl+w", "close_chat", "Close", priority=True),
+        Binding("ctrl+t", "reopen_chat", "Reopen closed chat", priority=True, show=False),
         Binding("ctrl+f", "fork_chat", "Fork", priority=True),
         Binding("escape", "stop", "Stop", priority=True),
         Binding("ctrl+r", "regenerate", "Regenerate", priority=True),
@@ -131,6 +142,7 @@ class PagedChatApp(App):
         self._demo_on = demo
         self._demo_scripts = demo_scripts()
         self._demo_tabs: dict[str, Iterator[str]] = {}
+        self._closed_chats: list[ClosedChat] = []
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
         # Textual's own themes lack the session and block colours: borrow the default theme's.
@@ -292,10 +304,12 @@ class PagedChatApp(App):
         pane = self._tabbed.active_pane
         return pane if isinstance(pane, ChatPane) else None
 
-    async def _open(self, conversation: Conversation, title: str, record: bool = True) -> ChatPane:
+    async def _open(self, conversation: Conversation, title: str, record: bool | ChatRecord = True) -> ChatPane:
+        """`record`: whether to keep the chat in the history, or the record it already has there."""
         used = {pane.colour for pane in self._panes.values()}
         colour = next((c for c in range(SESSION_COLOURS) if c not in used), self._tabs_opened % SESSION_COLOURS)
-        chat_record = ChatRecord(self.history, conversation, title) if self.history and record else None
+        chat_record = record if isinstance(record, ChatRecord) else \
+            ChatRecord(self.history, conversation, title) if self.history and record else None
         # Labelled in full from the start: the tab underline takes the label's width once, when the
         # tab is activated, and would keep a shorter first label's width.
         label = self._tab_label(title, colour, conversation.num_tokens, "idle")
@@ -323,13 +337,30 @@ class PagedChatApp(App):
         pane = self.current_pane
         if pane is None:
             return
-        pane.close()
+        draft = pane.close()
         del self._panes[pane.id]
         self._labels.pop(pane.id, None)
-        self._demo_tabs.pop(pane.id, None)
+        if self._demo_tabs.pop(pane.id, None) is None and (pane.conversation.turns or draft):
+            closed = ClosedChat(pane.conversation, pane.title, pane.record, draft)
+            self._closed_chats = [closed, *self._closed_chats][:CLOSED_KEPT]
+            self.notify(f"Closed {pane.title}: ctrl+t reopens it.")
         await self._tabbed.remove_pane(pane.id)
         if not self._panes:
             await self.action_new_chat()
+
+    async def action_reopen_chat(self) -> None:
+        if not self._closed_chats:
+            self.notify("No closed chat to reopen.", severity="warning")
+            return
+        closed, *self._closed_chats = self._closed_chats
+        if closed.record is not None:
+            closed.record.reopen()
+        # A new key, as widget ids and request ids are not reused. Its engine request was closed with the
+        # tab: the next turn sends the whole conversation again, served from the prefix cache where it can.
+        self._tabs_opened += 1
+        conversation = closed.conversation.fork(f"chat-{self._tabs_opened}")
+        await self._open(conversation, closed.title, closed.record or False)
+        self._carry_over(closed.draft, sent=False)
 
     async def action_fork_chat(self) -> None:
         source = self.current_pane

@@ -155,11 +155,19 @@ class ChatPane(TabPane):
         if self.record:
             self.record.settings(self.conversation)
 
-    def close(self) -> None:
-        """The tab is closing: the blocks only this conversation held go back to the pool."""
-        self._close_request(self.conversation.request_id)
+    def close(self) -> str:
+        """The tab is closing: the blocks only this conversation held go back to the pool. Returns the
+        text to keep as its draft: the message box's, or else a message whose reply is cut short."""
+        draft = self.query_one(MessageBox).text
+        if self.replying:
+            self._end_reply()
+            draft = draft or self.conversation.turns[-1].text
+            if self.record:
+                self.record.drop(2)  # the message and its reply
+        self._close_request(self.conversation.close())
         if self.record:
             self.record.close()
+        return draft
 
     def start_forked_reply(self, partial_text: str) -> None:
         """This pane is a fork of a conversation whose reply is in progress: it streams its own."""

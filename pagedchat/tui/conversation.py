@@ -111,6 +111,11 @@ class Conversation:
         keep = self.turns[:-1] if self.turns and self.turns[-1].role == "user" else self.turns
         return self._drop(keep)
 
+    def close(self) -> str | None:
+        """The tab closes: returns the request to close. The turns stay (but a message still waiting for
+        its reply): reopened, the next turn sends them all."""
+        return self.fail_turn()
+
     def set_system_prompt(self, prompt: str | None) -> str | None:
         """A new system prompt changes the first tokens: returns the request to close, if any."""
         self.system_prompt = prompt

@@ -6,6 +6,8 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Markdown
 
+from pagedchat.tui.message_box import SHADOWED
+
 READING_THE_PANEL = """
 ## The KV panel
 
@@ -48,6 +50,8 @@ class HelpScreen(ModalScreen):
         keys = "## Keys\n\n| Key | Action |\n| :- | :- |\n" + "\n".join(rows)
         keys += "\n| `enter` | Send the message |\n| `ctrl+j` | New line in the message |"
         keys += "\n| `ctrl+p` | Command palette: every action, themes, slow motion |"
+        keys += "\n\n## Editing keys the app takes\n\n| Key | In the message box | Press instead |\n| :- | :- | :- |\n"
+        keys += "\n".join(f"| `{key}` | {what} | `{instead}` |" for key, what, instead in SHADOWED)
         with VerticalScroll():
             yield Markdown(keys + "\n" + READING_THE_PANEL)
 

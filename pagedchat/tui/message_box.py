@@ -6,6 +6,14 @@ from textual.message import Message
 from textual.widgets import TextArea
 
 
+# The message box's editing keys that the app's keys take, and what to press instead.
+SHADOWED = (("ctrl+w", "delete the word before the cursor", "ctrl+backspace or alt+backspace"),
+            ("ctrl+e", "go to the end of the line", "end"),
+            ("ctrl+y", "redo", "alt+y"),
+            ("f6", "select the line", "alt+l"),
+            ("f7", "select all", "alt+a"))
+
+
 class MessageBox(TextArea):
     """A TextArea where `enter` sends the message instead of breaking the line.
 
@@ -13,9 +21,20 @@ class MessageBox(TextArea):
     | :- | :- |
     | enter | Send the message. |
     | ctrl+j, shift+enter | Insert a newline (most terminals send ctrl+j for shift+enter). |
+    | alt+y | Redo (the app takes ctrl+y). |
+    | alt+l | Select the line (the app takes f6). |
+    | alt+a | Select all (the app takes f7). |
+
+    The app's keys also take ctrl+w and ctrl+e, whose TextArea alternatives remain: ctrl+backspace or
+    alt+backspace delete a word, end goes to the end of the line (`SHADOWED` lists them for f1).
     """
 
-    BINDINGS = [Binding("ctrl+j,shift+enter", "newline", "Newline", key_display="ctrl+j")]
+    BINDINGS = [
+        Binding("ctrl+j,shift+enter", "newline", "Newline", key_display="ctrl+j"),
+        Binding("alt+y", "redo", "Redo", show=False),
+        Binding("alt+l", "select_line", "Select line", show=False),
+        Binding("alt+a", "select_all", "Select all", show=False),
+    ]
 
     DEFAULT_CSS = """
     MessageBox {
