@@ -125,18 +125,20 @@ def check_flags(args: argparse.Namespace) -> None:
 ATTACH_ONLY = ("kv_events", "dp_size", "api_key")
 
 
-def attach_target(args: argparse.Namespace):
+def attach_target(args: argparse.Namespace, argv: list[str]):
     """The server to attach to, once its flags are known to make sense; None without --attach."""
     if args.attach is None:
         given = [flag for flag in ATTACH_ONLY if getattr(args, flag) is not None]
         if given:
             raise UsageError(f"--{given[0].replace('_', '-')} needs --attach URL")
         return None
+    # The flags the engine's own parser takes from the command line (given, even at their default value).
     engine = OneLineParser(add_help=False)
     add_engine_flags(engine)
-    given = [dest for dest, default in vars(engine.parse_args([])).items() if getattr(args, dest) != default]
+    _, others = engine.parse_known_args(argv)
+    given = [arg.split("=")[0] for arg in argv if arg.startswith("--") and arg not in others]
     if given:
-        raise UsageError(f"--{given[0].replace('_', '-')} sets up the local engine, which --attach does not load: "
+        raise UsageError(f"{given[0]} sets up the local engine, which --attach does not load: "
                          "drop it (the server's own flags size its engine)")
     if not args.attach.startswith(("http://", "https://")):
         raise UsageError(f"--attach needs an http:// or https:// URL, got {args.attach!r}")
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     log_path = log_to_file()
     try:
-        target = attach_target(args)
+        target = attach_target(args, argv)
         if target is not None:
             check_flags(args)
             return run_app(None, target.url, log_path, attach=target, theme=args.theme, demo=args.demo)

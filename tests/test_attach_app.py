@@ -79,8 +79,8 @@ async def test_two_tabs_chat_through_the_server_and_the_panel_draws_its_snapshot
 
         server = live.snapshot()  # both conversations stay parked in their sessions
         ours = {first.conversation.request_id, second.conversation.request_id}
-        await wait_until(pilot, lambda: {r.request_id for r in app.query_one(KVPanel).snapshot.requests} == ours,
-                         what="the panel to name the tabs' requests")
+        await wait_until(pilot, lambda: {(r.request_id, r.status) for r in app.query_one(KVPanel).snapshot.requests}
+                         == {(request_id, "parked") for request_id in ours}, what="the panel to name the tabs' requests")
         drawn = app.query_one(KVPanel).snapshot
         assert sorted(r["status"] for r in server["requests"]) == ["parked", "parked"]
         assert (drawn.num_blocks, drawn.block_size) == (server["num_blocks"], server["block_size"])

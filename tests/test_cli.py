@@ -24,6 +24,14 @@ def run(*args: str, tmp_path) -> subprocess.CompletedProcess:
     (["--max-num-seqs", "-3"], "--max-num-seqs must be at least 1"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--backend", "cuda"], "invalid choice: 'cuda'"),
+    # attach mode: the local engine's flags, even at their default value, and the attach flags alone
+    (["--attach", "http://127.0.0.1:9", "--block-size", "16"], "--block-size sets up the local engine"),
+    (["--attach", "http://127.0.0.1:9", "--model=/x"], "--model sets up the local engine"),
+    (["--kv-events", "tcp://127.0.0.1:5557"], "--kv-events needs --attach URL"),
+    (["--api-key", "k"], "--api-key needs --attach URL"),
+    (["--attach", "127.0.0.1:8000"], "--attach needs an http:// or https:// URL"),
+    (["--attach", "http://127.0.0.1:9", "--dp-size", "0"], "--dp-size must be at least 1, got 0"),
+    (["--attach", "http://127.0.0.1:9", "--kv-events", "tcp://h"], "--kv-events"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, says, tmp_path):
     done = run(*args, tmp_path=tmp_path)

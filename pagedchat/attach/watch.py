@@ -10,6 +10,7 @@ Both run as tasks on the caller's event loop and publish an immutable `snapshot`
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,9 @@ from pagedchat.engine.snapshot import KVSnapshot
 METRICS_EVERY_S = 0.33  # the 2-4 Hz
 SNAPSHOT_EVERY_S = 0.1  # pagedchat serve: at most this often, however fast its events come
 RETRY_S = 1.0  # after a failed scrape
+MAX_TREE_BLOCKS = 500  # drawn per rank: a production pool holds far more than a panel can show
+
+log = logging.getLogger(__name__)
 
 Contexts = Callable[[], Mapping[str, Sequence[int]]]  # request id: its prompt and reply ids so far
 
@@ -40,7 +44,8 @@ class TreeBlock:
 class RankView:
     rank: int
     block_size: int
-    blocks: tuple[TreeBlock, ...]  # depth first: each parent before its children
+    blocks: tuple[TreeBlock, ...]  # depth first: each parent before its children, MAX_TREE_BLOCKS at most
+    not_drawn: int  # resident blocks past MAX_TREE_BLOCKS
     evictions: tuple[Eviction, ...]  # the newest last
     matches: Mapping[str, tuple[Hash, ...]]  # request id: the resident blocks that hold its prefix
     partial: bool  # some events before the attach could not be replayed
@@ -71,6 +76,8 @@ class LogicalWatch:
         self._tasks: list[asyncio.Task] = []
         self._scrape: tuple[ServerMetrics, float] | None = None
         self._rate = (0.0, None)
+        self._batches = 0  # event batches applied, over all ranks: the trees changed when it grows
+        self._published: tuple | None = None  # what the snapshot was made from
         self.snapshot = LogicalSnapshot(client.base_url, None, 0.0, None, kv_events is not None, (), None)
 
     def start(self) -> None:
@@ -90,16 +97,17 @@ class LogicalWatch:
             problem = None
             try:
                 metrics = await self._client.metrics()
-            except ApiError as exc:
-                metrics, problem = (self._scrape[0] if self._scrape else None), str(exc)
+            except (ApiError, ValueError) as exc:  # ValueError: a /metrics that is not Prometheus text
+                metrics, problem = (self._scrape[0] if self._scrape else None), f"/metrics: {exc}"
             else:
                 now = time.monotonic()
                 if self._scrape is not None:
                     step = rate(*self._scrape, metrics, now)
                     self._rate = (step.tokens_per_second, step.hit_rate)
                 self._scrape = (metrics, now)
-                if self._kv_events is not None and not self._streams:
-                    self._follow(self._dp_size or metrics.ranks)
+            # The events do not need the metrics: without them, the ranks are --dp-size's, else one.
+            if self._kv_events is not None and not self._streams:
+                self._follow(self._dp_size or (metrics.ranks if metrics else 1))
             self._publish(metrics, problem)
             await asyncio.sleep(RETRY_S if problem else METRICS_EVERY_S)
 
@@ -118,26 +126,33 @@ class LogicalWatch:
             async for batch in stream.batches():
                 tree.apply(batch)
                 tree.partial = stream.partial
+                self._batches += 1
         except ValueError as exc:
             self._problems[stream.rank] = f"undecodable KV events: {exc}"
 
     def _publish(self, metrics: ServerMetrics | None, problem: str | None) -> None:
         contexts = self._contexts()
+        made_from = (metrics, problem, self._rate, self._batches, contexts, tuple(self._problems.items()))
+        if made_from == self._published:  # an idle server: the same picture, so no redraw
+            return
+        self._published = made_from
         ranks = tuple(rank_view(rank, tree, contexts, self._problems.get(rank))
                       for rank, tree in self._trees.items())
         self.snapshot = LogicalSnapshot(self._client.base_url, metrics, *self._rate, self._kv_events is not None,
                                         ranks, problem)
 
+
 def rank_view(rank: int, tree: PrefixTree, contexts: Mapping[str, Sequence[int]],
               problem: str | None = None) -> RankView:
     blocks: list[TreeBlock] = []
     stack = [(node, 0) for node in reversed(tree.roots())]
-    while stack:
+    while stack and len(blocks) < MAX_TREE_BLOCKS:
         node, depth = stack.pop()
         blocks.append(TreeBlock(node.hash, node.parent, node.token_ids, depth, tree.orphan(node.hash)))
         stack.extend((child, depth + 1) for child in reversed(tree.children(node.hash)))
     matches = {request_id: tuple(tree.match(ids)) for request_id, ids in contexts.items()}
-    return RankView(rank, tree.block_size, tuple(blocks), tuple(tree.evictions), matches, tree.partial, problem)
+    return RankView(rank, tree.block_size, tuple(blocks), len(tree) - len(blocks), tuple(tree.evictions), matches,
+                    tree.partial, problem)
 
 
 class GridWatch:
@@ -166,8 +181,8 @@ class GridWatch:
             while True:
                 try:
                     self.snapshot, self.problem = await self._client.kv_snapshot(), None
-                except ApiError as exc:
-                    self.problem = str(exc)
+                except Exception as exc:  # a server of another version, say: said in the panel, tried again
+                    self.problem = f"/v1/kv/snapshot: {exc}"
                     await asyncio.sleep(RETRY_S)
                     continue
                 await asyncio.sleep(SNAPSHOT_EVERY_S)
@@ -177,11 +192,14 @@ class GridWatch:
                 self._changed.clear()
         finally:
             listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
 
     async def _listen(self) -> None:
         while True:
             try:
                 async for _ in self._client.kv_events():
                     self._changed.set()
-            except ApiError:
+            except Exception:  # the events stopped: the snapshot is still fetched each second
+                log.warning("the block events of %s stopped", self._client.base_url, exc_info=True)
                 await asyncio.sleep(RETRY_S)

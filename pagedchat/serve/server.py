@@ -264,7 +264,7 @@ def whole_response(run: Run, final: RequestOutput, body, chat: bool) -> dict:
                 "created": int(time.time()), "model": run.served.model_name, "choices": choices,
                 "usage": usage(run, final)}
     if body.return_token_ids:
-        response["prompt_token_ids"] = run.prompt
+        response["prompt_token_ids"] = run.context_ids
     return response
 
 

@@ -37,6 +37,7 @@ class Attached:
         self._watch: GridWatch | LogicalWatch | None = None
         self._renamed: tuple[KVSnapshot, KVSnapshot] | None = None  # the server's snapshot and ours
         self._texts: dict[tuple[int, ...], str] = {}
+        self._fetches: set[asyncio.Task] = set()
         self._on_text = lambda: None
 
     async def connect(self) -> None:
@@ -58,7 +59,7 @@ class Attached:
         return LogicalPanel(self.client.detokenize)
 
     def contexts(self) -> dict[str, list[int]]:
-        return dict(self.chat.contexts) if self.chat else {}
+        return self.chat.contexts if self.chat else {}
 
     @property
     def snapshot(self) -> KVSnapshot | LogicalSnapshot | None:
@@ -76,7 +77,9 @@ class Attached:
         key = tuple(token_ids)
         if key not in self._texts:
             self._texts[key] = FETCHING
-            asyncio.get_running_loop().create_task(self._fetch_text(key))
+            task = asyncio.get_running_loop().create_task(self._fetch_text(key))
+            self._fetches.add(task)
+            task.add_done_callback(self._fetches.discard)
         return self._texts[key]
 
     def when_text_arrives(self, callback) -> None:
@@ -84,14 +87,20 @@ class Attached:
 
     async def _fetch_text(self, key: tuple[int, ...]) -> None:
         try:
-            self._texts[key] = await self.client.detokenize(key)
+            text = await self.client.detokenize(key)
         except ApiError as exc:
             self._texts[key] = f"(its text could not be fetched: {exc})"
+            self._on_text()
+            del self._texts[key]  # shown once; asked again when the block is chosen again
+            return
+        self._texts[key] = text
         self._on_text()
 
     async def close(self) -> None:
+        for task in self._fetches:
+            task.cancel()
         if self.chat is not None:
-            self.chat.stop()
+            await self.chat.stop()
         if self._watch is not None:
             await self._watch.stop()
         await self.client.aclose()

@@ -87,6 +87,11 @@ def evictions_text(snapshot: LogicalSnapshot) -> Text:
     return text or Text("no evictions seen yet", style="dim")
 
 
+def relabel(node: TreeNode, label: Text) -> None:
+    if node.label != label:  # a new label redraws the tree: most stay the same from one picture to the next
+        node.set_label(label)
+
+
 def _common(a: Sequence[Hash], b: Sequence[Hash]) -> list[Hash]:
     common = []
     for x, y in zip(a, b):
@@ -165,10 +170,10 @@ class LogicalPanel(Vertical):
         if shape != self._shapes.get(view.rank):
             self._rebuild(tree, view)
             self._shapes[view.rank] = shape
-        rank_node = self._tree_nodes[(view.rank, None)]
-        rank_node.set_label(self._rank_label(view))
+        relabel(self._tree_nodes[(view.rank, None)], self._rank_label(view))
         for block in view.blocks:
-            self._tree_nodes[(view.rank, block.block_hash)].set_label(self._block_label(block, owners.get(block.block_hash, [])))
+            relabel(self._tree_nodes[(view.rank, block.block_hash)],
+                    self._block_label(block, owners.get(block.block_hash, [])))
 
     def _rebuild(self, tree: Tree, view: RankView) -> None:
         selected = tree.cursor_node.data.block_hash if tree.cursor_node and tree.cursor_node.data else None
@@ -182,10 +187,13 @@ class LogicalPanel(Vertical):
             self._tree_nodes[(view.rank, block.block_hash)] = parent.add(
                 self._block_label(block, []), data=block, expand=True, allow_expand=False)
         if selected is not None and (node := self._tree_nodes.get((view.rank, selected))) is not None:
-            tree.move_cursor(node)
+            # once the tree has laid out its new lines: before, the cursor lands on a line that moved
+            self.call_after_refresh(tree.move_cursor, node)
 
     def _rank_label(self, view: RankView) -> Text:
-        label = Text(f"rank {view.rank}: {len(view.blocks)} resident blocks", style="bold")
+        label = Text(f"rank {view.rank}: {len(view.blocks) + view.not_drawn} resident blocks", style="bold")
+        if view.not_drawn:
+            label.append(f" ({view.not_drawn} not drawn)")
         if view.partial:
             label.append(" · partial since attach", style="italic")
         if view.problem:

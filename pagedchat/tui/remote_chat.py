@@ -6,13 +6,17 @@ loop; stopping a reply cancels its task, which closes the HTTP stream, and the s
 """
 
 import asyncio
+import logging
 import uuid
 
 from pagedchat.attach.client import ApiClient, ApiError
 from pagedchat.engine.engine_thread import Sink
+from pagedchat.engine.errors import one_line
 from pagedchat.engine.outputs import CompletionOutput, RequestOutput
 from pagedchat.engine.params import SamplingParams
 from pagedchat.tui.conversation import Send
+
+log = logging.getLogger(__name__)
 
 
 class MessageSession:
@@ -36,19 +40,28 @@ class RemoteChat:
     def __init__(self, client: ApiClient, max_len: int | None) -> None:
         self.client = client
         self.max_len = max_len
-        self.contexts: dict[str, list[int]] = {}  # our request id: its prompt and reply ids as the server sent them
         self.server_ids: dict[str, str] = {}  # the server's request id: ours
         self._streams: dict[str, asyncio.Task] = {}
         self._progress: dict[str, RequestOutput] = {}
-        # One server session per request of ours (pagedchat serve keeps a session's KV between turns).
+        self._contexts: dict[str, RequestOutput] = {}  # each request's last output: its prompt and reply ids
+        # One server session per conversation (pagedchat serve keeps a session's KV between turns, and
+        # starts it anew when the messages no longer continue it: a regenerate, a new system prompt).
         self._session_prefix = f"pagedchat-{uuid.uuid4().hex[:12]}"
 
     def new_session(self, system_prompt: str | None) -> MessageSession:
         return MessageSession(system_prompt)
 
+    @property
+    def contexts(self) -> dict[str, list[int]]:
+        """Each request's tokens as the server counted them: its prompt and its reply so far."""
+        return {request_id: output.prompt_token_ids + output.outputs[0].token_ids
+                for request_id, output in self._contexts.items()}
+
     def reply(self, send: Send, params: SamplingParams, sink: Sink) -> None:
         assert send.request_id not in self._streams, "one turn at a time per conversation"
-        self._streams[send.request_id] = asyncio.get_running_loop().create_task(self._stream(send, params, sink))
+        task = asyncio.get_running_loop().create_task(self._stream(send, params, sink))
+        self._streams[send.request_id] = task
+        task.add_done_callback(lambda done: self._ended(send.request_id, done, sink))
 
     def progress(self, request_id: str) -> RequestOutput | None:
         return self._progress.get(request_id)
@@ -60,19 +73,31 @@ class RemoteChat:
     def close(self, request_id: str) -> None:
         self.abort(request_id)
         self._progress.pop(request_id, None)
-        self.contexts.pop(request_id, None)
+        self._contexts.pop(request_id, None)
         for server_id in [key for key, ours in self.server_ids.items() if ours == request_id]:
             del self.server_ids[server_id]
 
     def session_id(self, request_id: str) -> str:
-        return f"{self._session_prefix}-{request_id}"
+        conversation = request_id.rsplit(".", 1)[0]  # a tab's requests are "<its key>.<n>"
+        return f"{self._session_prefix}-{conversation}"
 
     def fork(self, source_id: str, twin_id: str, sink: Sink) -> None:
-        """Nothing to tell the server: the twin sends its history with its first turn."""
+        """Nothing to tell the server: the twin sends its history with its first turn. Until then it counts
+        as holding the source's tokens (the panel matches them against the server's blocks)."""
+        if source_id in self._contexts:
+            self._contexts[twin_id] = self._contexts[source_id]
 
-    def stop(self) -> None:
-        for task in self._streams.values():
+    async def stop(self) -> None:
+        tasks = list(self._streams.values())
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _ended(self, request_id: str, task: asyncio.Task, sink: Sink) -> None:
+        if self._streams.get(request_id) is task:
+            del self._streams[request_id]
+        if task.cancelled():  # stopped before it began: no output came, and none will
+            sink.output(RequestOutput(request_id, [], [CompletionOutput(0, finish_reason="abort")], True))
 
     async def _stream(self, send: Send, params: SamplingParams, sink: Sink) -> None:
         request_id = send.request_id
@@ -85,19 +110,21 @@ class RemoteChat:
                 self.server_ids[delta.request_id] = request_id
                 if delta.prompt_token_ids is not None:
                     output.prompt_token_ids = list(delta.prompt_token_ids)
+                    self._contexts[request_id] = output
                 completion.text += delta.text
                 completion.token_ids += delta.token_ids
                 completion.finish_reason = delta.finish_reason or completion.finish_reason
                 if delta.cached_tokens is not None:
                     output.num_cached_tokens = delta.cached_tokens
-                self.contexts[request_id] = output.prompt_token_ids + completion.token_ids
         except asyncio.CancelledError:
             completion.finish_reason = "abort"
         except ApiError as exc:
             sink.error(request_id, str(exc))
             return
-        finally:
-            del self._streams[request_id]
+        except Exception as exc:  # a reply the client could not read: that tab's error, the others go on
+            log.exception("the stream of %s failed", request_id)
+            sink.error(request_id, one_line(exc, with_type=True))
+            return
         if completion.finish_reason is None:
             sink.error(request_id, "the server ended the stream before the reply finished")
             return
