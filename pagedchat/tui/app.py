@@ -60,8 +60,8 @@ class ClosedChat:
 
 POLL_HZ = 10
 UI_CPU_SHARE = 0.03  # of a core: the UI thread's while the engine works, drawing gives way (frame_budget.py)
-MAX_DRAW_GAP_S = 1.0
-LABEL_COUNT_EVERY_S = 5.0
+MAX_DRAW_GAP_S = 1.5 / POLL_HZ  # while the engine runs, a draw at least every other tick (half a tick spare)
+LABEL_COUNT_EVERY_S = 0.5  # a streaming tab's count relabels at most this often: at most a second old
 SLOW_MOTION = (0.0, 0.25, 1.0)  # seconds between steps, cycled by f3
 DEMO_TABS = 4
 DEMO_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=160)

@@ -11,7 +11,9 @@ class FrameBudget:
     CPU time since the last draw began (that draw, its frame, and everything else since: messages
     mounted, replies finished, keys) is at most `share` of the wall time since then, or after
     `max_gap` seconds, whichever is sooner. A slow terminal, a big screen or a busy moment lowers
-    the frame rate, not the engine's token rate."""
+    the frame rate, not the engine's token rate, down to one frame every `max_gap`: the floor that
+    keeps a streaming reply moving on screen (the app's: every other tick of its poll, bench/ui_overhead.py
+    measures what that costs the engine)."""
 
     def __init__(self, share: float, max_gap: float, clock: Callable[[], float] = time.monotonic,
                  cpu_clock: Callable[[], float] = time.thread_time) -> None:
