@@ -67,12 +67,13 @@ DEMO_TABS = 4
 DEMO_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=160)
 STATES = {"waiting": "waiting", "running": "generating", "preempted": "preempted"}
 STATE_WIDTH = max(map(len, STATES.values()))
+STATE_MARKS = {"idle": " ", "waiting": "⋯", "generating": "▸", "preempted": "‖"}  # in a compact tab label
 CLOSED_KEPT = 20  # closed tabs that ctrl+t can bring back, the last closed first
 # Actions that belong to the chat screen: off while a dialog or the loading screen is up, so that
 # escape and friends reach the dialog despite being priority bindings.
 CHAT_ACTIONS = {"new_chat", "close_chat", "reopen_chat", "fork_chat", "stop", "regenerate", "pause", "resume", "step",
                 "slow_motion", "settings", "copy_reply", "export_chat", "previous_tab", "next_tab",
-                "toggle_demo"}
+                "toggle_demo", "toggle_panel"}
 
 
 class PagedChatApp(App):
@@ -96,6 +97,7 @@ class PagedChatApp(App):
         Binding("f6", "step", "Step", priority=True),
         Binding("f3", "slow_motion", "Slow motion", priority=True, show=False),
         Binding("f2", "settings", "Settings", priority=True),
+        Binding("f4", "toggle_panel", "Panel", priority=True),
         Binding("f1", "help", "Help", priority=True),
         Binding("ctrl+y", "copy_reply", "Copy last reply", priority=True, show=False),
         Binding("ctrl+e", "export_chat", "Export as Markdown", priority=True, show=False),
@@ -143,6 +145,7 @@ class PagedChatApp(App):
         self._demo_scripts = demo_scripts()
         self._demo_tabs: dict[str, Iterator[str]] = {}
         self._closed_chats: list[ClosedChat] = []
+        self._tags: dict[str, SessionTag] = {}  # every tab opened, by key
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
         # Textual's own themes lack the session and block colours: borrow the default theme's.
@@ -315,6 +318,7 @@ class PagedChatApp(App):
         label = self._tab_label(title, colour, conversation.num_tokens, "idle")
         pane = ChatPane(conversation, title, colour, self.chat, chat_record, label)
         self._panes[conversation.key] = pane
+        self._tags[conversation.key] = SessionTag(title, colour)
         if self._snapshot is not None:  # the panel names and colours requests by their tabs
             self._redraw_panel()
         await self._tabbed.add_pane(pane)
@@ -444,6 +448,12 @@ class PagedChatApp(App):
         settings = TabSettings(pane.conversation.system_prompt, pane.conversation.params)
         self.push_screen(SettingsScreen(pane.title, settings), pane.apply_settings)
 
+    def action_toggle_panel(self) -> None:
+        """Hide the KV panel (the chat takes the whole width) or show it again."""
+        panel = self.query_one("#main > KVPanel, #main > LogicalPanel")
+        panel.display = not panel.display
+        self.notify("KV panel shown." if panel.display else "KV panel hidden: f4 shows it again.")
+
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())
@@ -571,8 +581,8 @@ class PagedChatApp(App):
             self._poll_timer.resume()
 
     def _tag_of(self, request_id: str) -> SessionTag:
-        pane = self._panes.get(request_id.rsplit(".", 1)[0])
-        return SessionTag(pane.title, pane.colour) if pane else SessionTag.fallback(request_id)
+        """A request's tab, open or closed (the event log still names a closed tab's blocks)."""
+        return self._tags.get(request_id.rsplit(".", 1)[0]) or SessionTag.fallback(request_id)
 
     def _redraw_panel(self) -> None:
         snapshot = self._snapshot
@@ -589,6 +599,7 @@ class PagedChatApp(App):
             if isinstance(self._snapshot, KVSnapshot) else {}
         contexts = self.attached.contexts() if self.attached else {}
         labels = {}
+        compact = self._tabs_overflow()
         for key, pane in self._panes.items():
             info = infos.get(pane.conversation.request_id)
             # Without the request in a snapshot (not stepped yet, or a server that publishes none), the
@@ -598,7 +609,7 @@ class PagedChatApp(App):
             state = STATES.get(status, "idle") if pane.replying else "idle"
             tokens = info.num_tokens if info else len(contexts.get(pane.conversation.request_id, ())) \
                 if self.attached else pane.conversation.num_tokens
-            labels[key] = ((pane.title, self.theme, state), tokens)
+            labels[key] = ((pane.title, self.theme, state, compact), 0 if compact else tokens)
         changed = {key: label for key, label in labels.items() if self._labels.get(key) != label}
         # A relabel lays out the whole screen (~15 ms here), however many tabs it changes. While
         # replies stream, counts alone relabel every LABEL_COUNT_EVERY_S at most (the block tables
@@ -610,12 +621,22 @@ class PagedChatApp(App):
             return
         self._counts_shown_at = now
         self._labels |= changed
-        for key, ((_, _, state), tokens) in changed.items():
+        for key, ((_, _, state, compact), tokens) in changed.items():
             pane = self._panes[key]
-            self._tabbed.get_tab(key).label = self._tab_label(pane.title, pane.colour, tokens, state)
+            self._tabbed.get_tab(key).label = self._tab_label(pane.title, pane.colour, tokens, state, compact)
 
-    def _tab_label(self, title: str, colour: int, tokens: int, state: str) -> Content:
+    def _tabs_overflow(self) -> bool:
+        """Whether the tabs' full labels would not all fit in the tab bar: then they are compact."""
+        width = self._tabbed.size.width
+        full = len(str(self._max_len)) + STATE_WIDTH + 12  # "■ ", " ", " tok · " and the tab's padding
+        return width > 0 and sum(len(pane.title) + full for pane in self._panes.values()) > width
+
+    def _tab_label(self, title: str, colour: int, tokens: int, state: str, compact: bool = False) -> Content:
+        """The tab's colour, title, tokens and state; compact, the colour, title and a mark for the state."""
         label = Text("■ ", style=self.theme_variables[SessionTag(title, colour).variable])
+        if compact:
+            label.append(f"{title} {STATE_MARKS[state]}")
+            return Content.from_rich_text(label)
         label.append(f"{title} ")
         # Fixed-width fields: a tab that changes width shifts the tabs after it, and the active
         # tab's underline then slides there over some twenty frames.

@@ -62,7 +62,7 @@ class BlockGrid(ScrollView, can_focus=True):
     DEFAULT_CSS = """
     BlockGrid {
         height: auto;
-        max-height: 24;
+        max-height: 45%;  /* of the panel: on a short screen the grid scrolls, and the tables below stay */
         background: $surface;
         scrollbar-size-vertical: 1;
         color: $text-muted;

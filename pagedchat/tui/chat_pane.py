@@ -179,6 +179,8 @@ class ChatPane(TabPane):
         self._begin_reply("")
 
     def _begin_reply(self, text: str) -> None:
+        # The last turn's numbers would read as this one's while it streams.
+        self.query_one("#turn-info", Static).update("this turn: replying… (escape stops it)", layout=False)
         self.replying = True
         self._text = self._shown = text
         self._reply = ChatMessage("assistant", text)

@@ -20,7 +20,7 @@ class EventLog(RichLog):
     DEFAULT_CSS = """
     EventLog {
         height: 1fr;
-        min-height: 4;
+        min-height: 2;
         border-top: hkey $panel;
         padding: 0 1;
         scrollbar-size-vertical: 1;
