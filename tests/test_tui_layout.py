@@ -49,3 +49,20 @@ async def test_a_closed_tabs_blocks_are_named_by_its_title_and_a_new_turn_clears
         await wait_until(pilot, lambda: any(("free" in line.text or "release" in line.text) and "chat 1" in line.text
                                             for line in log.lines), what="the log to name the closed tab's blocks")
         assert "chat-1" not in "".join(line.text for line in log.lines)
+
+
+@async_test
+async def test_a_long_block_table_goes_on_over_lines_and_shows_every_block_id():
+    import random
+
+    from pagedchat.tui.block_tables import BlockTables
+    from test_tui_support import PanelApp
+
+    table = random.Random(5).sample(range(200, 400), 60)  # three-digit ids: far more than one line holds
+    app = PanelApp(make_snapshot(num_blocks=400, tables={"a.1": table}))
+    async with app.run_test(size=(100, 60)) as pilot:
+        await pilot.pause()
+        tables = app.query_one(BlockTables)
+        lines = tables.render().plain.splitlines()
+        assert len(lines) > 2 and all(len(line) <= tables.content_region.width for line in lines)
+        assert [int(word) for line in lines for word in line.split(":")[-1].split()] == table

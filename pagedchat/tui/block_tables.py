@@ -12,8 +12,8 @@ EMPTY = "no block tables yet"
 
 
 class BlockTables(TextPanel):
-    """One line per live request, in its session's colour; shared entries are underlined. A line
-    that does not fit ends in an ellipsis: the height follows the number of requests only."""
+    """One entry per live request, in its session's colour; shared entries are underlined. A table
+    longer than a line goes on in lines of its own, indented, so that every block id shows."""
 
     DEFAULT_CSS = """
     BlockTables {
@@ -27,25 +27,39 @@ class BlockTables(TextPanel):
     def __init__(self, **kwargs) -> None:
         super().__init__(EMPTY, **kwargs)
         self._key: tuple | None = None
+        self._shown: tuple[KVSnapshot, Callable[[str], SessionTag]] | None = None
+
+    def on_resize(self) -> None:
+        if self._shown is not None:  # the lines break at the width
+            self.show(*self._shown)
 
     def show(self, snapshot: KVSnapshot, tag_of: Callable[[str], SessionTag]) -> None:
+        self._shown = snapshot, tag_of
         live = [info for info in snapshot.requests if info.status != "finished"]
         shared = {b.block_id for b in snapshot.blocks if b.ref_count > 1}
-        key = (self.app.theme, tuple((info, tag_of(info.request_id)) for info in live), frozenset(shared))
+        width = self.content_region.width or 1
+        key = (self.app.theme, width, tuple((info, tag_of(info.request_id)) for info in live), frozenset(shared))
         if key == self._key:
             return
         self._key = key
         colours = self.app.theme_variables
-        text = Text(no_wrap=True, overflow="ellipsis")
+        text = Text()
         for info in live:
             tag = tag_of(info.request_id)
             colour = colours[tag.variable]
-            text.append("■ ", style=colour)
-            text.append(f"{tag.name}", style=f"bold {colour}")
-            text.append(f" {info.status} · {info.num_tokens} tok · {len(info.block_table)} blocks:")
+            line = Text()
+            line.append("■ ", style=colour)
+            line.append(f"{tag.name}", style=f"bold {colour}")
+            line.append(f" {info.status} · {info.num_tokens} tok · {len(info.block_table)} blocks:")
             for block_id in info.block_table:
-                text.append(" ")
-                text.append(str(block_id), style=f"{colour} underline" if block_id in shared else colour)
+                entry = str(block_id)
+                if line.cell_len + 1 + len(entry) > width:
+                    text.append_text(line)
+                    text.append("\n")
+                    line = Text("   ")
+                line.append(" ")
+                line.append(entry, style=f"{colour} underline" if block_id in shared else colour)
+            text.append_text(line)
             text.append("\n")
         text.rstrip()
         self.set_text(text or Text(EMPTY))
