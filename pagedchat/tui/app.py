@@ -73,7 +73,7 @@ CLOSED_KEPT = 20  # closed tabs that ctrl+t can bring back, the last closed firs
 # escape and friends reach the dialog despite being priority bindings.
 CHAT_ACTIONS = {"new_chat", "close_chat", "reopen_chat", "fork_chat", "stop", "regenerate", "pause", "resume", "step",
                 "slow_motion", "settings", "copy_reply", "export_chat", "previous_tab", "next_tab",
-                "toggle_demo", "toggle_panel"}
+                "toggle_demo", "toggle_panel", "toggle_contiguous"}
 
 
 class PagedChatApp(App):
@@ -98,6 +98,7 @@ class PagedChatApp(App):
         Binding("f3", "slow_motion", "Slow motion", priority=True, show=False),
         Binding("f2", "settings", "Settings", priority=True),
         Binding("f4", "toggle_panel", "Panel", priority=True),
+        Binding("f9", "toggle_contiguous", "Contiguous view", priority=True, show=False),
         Binding("f1", "help", "Help", priority=True),
         Binding("ctrl+y", "copy_reply", "Copy last reply", priority=True, show=False),
         Binding("ctrl+e", "export_chat", "Export as Markdown", priority=True, show=False),
@@ -453,6 +454,10 @@ class PagedChatApp(App):
         panel = self.query_one("#main > KVPanel, #main > LogicalPanel")
         panel.display = not panel.display
         self.notify("KV panel shown." if panel.display else "KV panel hidden: f4 shows it again.")
+
+    def action_toggle_contiguous(self) -> None:
+        for panel in self.query(KVPanel):  # none when attached to a server that sends no grid
+            self.notify("Contiguous view shown: a model." if panel.toggle_contiguous() else "Contiguous view hidden.")
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):

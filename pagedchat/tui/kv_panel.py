@@ -11,6 +11,7 @@ from pagedchat.engine.snapshot import KVSnapshot
 from pagedchat.tui.block_detail import BlockDetail
 from pagedchat.tui.block_grid import BlockGrid
 from pagedchat.tui.block_tables import BlockTables
+from pagedchat.tui.contiguous_view import ContiguousView
 from pagedchat.tui.event_log import EventLog
 from pagedchat.tui.kv_stats import KVStats
 from pagedchat.tui.themes import SessionTag
@@ -53,6 +54,7 @@ class KVPanel(Vertical):
         yield KVStats("waiting for the engine…")
         yield BlockGrid()
         yield Static(id="legend")
+        yield ContiguousView()  # hidden until toggle_contiguous (f9)
         yield BlockDetail()
         yield BlockTables()
         yield EventLog()
@@ -68,9 +70,14 @@ class KVPanel(Vertical):
         self._decode = decode or self._decode
         self.query_one(KVStats).show(snapshot)
         self.query_one(BlockGrid).show(snapshot, self._tag_of)
+        self.query_one(ContiguousView).show(snapshot, self._tag_of)
         self.query_one(BlockTables).show(snapshot, self._tag_of)
         self.query_one(EventLog).show(snapshot, self._tag_of)
         self._show_detail()
+
+    def toggle_contiguous(self) -> bool:
+        """Show or hide the contiguous-allocation view beside the grid; returns whether it is shown."""
+        return self.query_one(ContiguousView).toggle()
 
     def _show_detail(self) -> None:
         cursor = self.query_one(BlockGrid).cursor
