@@ -18,6 +18,7 @@ stands that long at most), at their median, 95th percentile and maximum.
 
 import asyncio
 import math
+import re
 import statistics
 import tempfile
 import time
@@ -60,6 +61,7 @@ class Redraws:
     def __init__(self) -> None:
         self.reply: list[float] = []
         self.count: list[float] = []
+        self.count_shown = False  # a tab bar too narrow for the full labels shows no counts
 
     def watch(self, app, pane) -> None:
         """Time what the app's tick changes of `pane` (the tab on show), by wrapping the two calls that
@@ -72,12 +74,16 @@ class Redraws:
             if pane._shown != before:
                 self.reply.append(time.perf_counter())
 
+        def shown_count() -> str | None:  # the tab's label as on screen: "■ Chat 4  151 tok · generating"
+            found = re.search(r"(\d+) tok", app._tabbed.get_tab(pane.id).label.plain)
+            return found and found.group(1)
+
         def timed_relabel() -> None:
-            before = app._labels.get(pane.id)
+            before = shown_count()
             relabel()
-            after = app._labels.get(pane.id)
-            # a count that changed while the tab streams (not its first label, not its state changing)
-            if before is not None and after != before and after[0] == before[0] and after[0][2] != "idle":
+            after = shown_count()
+            self.count_shown |= after is not None
+            if after != before and before is not None and after is not None:
                 self.count.append(time.perf_counter())
 
         pane.draw, app._update_labels = timed_draw, timed_relabel
@@ -85,7 +91,7 @@ class Redraws:
     def count_while_streaming(self) -> list[float]:
         """The count's changes between the reply's first redraw and its last, and those two: a count
         that never changed while the reply streamed was as old as the stream."""
-        if not self.reply:
+        if not self.reply or not self.count_shown:
             return []
         first, last = self.reply[0], self.reply[-1]
         return [first, *(t for t in self.count if first < t < last), last]
@@ -103,7 +109,11 @@ def percentile(values: list[float], p: float) -> float:
 
 def interval_cells(times: list[float]) -> list[object]:
     gaps = [1000 * g for g in intervals(times)]
-    return [len(times), percentile(gaps, 0.5), percentile(gaps, 0.95), max(gaps, default=math.nan)]
+    return [len(times), *gap_cells(gaps)]
+
+
+def gap_cells(gaps: list[float]) -> list[object]:
+    return [percentile(gaps, 0.5), percentile(gaps, 0.95), max(gaps)] if gaps else ["n/a"] * 3
 
 
 async def in_app(llm, tabs: int, reply: int) -> tuple[Times, float, Redraws]:
@@ -180,10 +190,8 @@ def ui_overhead_section(model: str | None, dtype: str, tabs: int = 4, reply: int
                     *interval_cells(r.count_while_streaming())[1:]] for i, r in enumerate(redraws)]
     reply_gaps = [1000 * g for r in redraws for g in intervals(r.reply)]
     count_gaps = [1000 * g for r in redraws for g in intervals(r.count_while_streaming())]
-    redraw_rows.append(["all app runs", sum(len(r.reply) for r in redraws), percentile(reply_gaps, 0.5),
-                        percentile(reply_gaps, 0.95), max(reply_gaps, default=math.nan),
-                        sum(len(r.count) for r in redraws), percentile(count_gaps, 0.5),
-                        percentile(count_gaps, 0.95), max(count_gaps, default=math.nan)])
+    redraw_rows.append(["all app runs", sum(len(r.reply) for r in redraws), *gap_cells(reply_gaps),
+                        sum(len(r.count) for r in redraws), *gap_cells(count_gaps)])
     reply_p50, reply_p95 = percentile(reply_gaps, 0.5), percentile(reply_gaps, 0.95)
     count_max = max(count_gaps, default=math.nan)
 
@@ -194,7 +202,8 @@ def ui_overhead_section(model: str | None, dtype: str, tabs: int = 4, reply: int
         settings=[f"{tabs} chat tabs, one message each sent at once, greedy replies of {reply} tokens; app headless "
                   f"under Textual's Pilot at {SIZE[0]}x{SIZE[1]} cells (the shown reply and the KV panel drawn at most "
                   f"{POLL_HZ} times a second, and not before the UI thread's CPU since the last draw is back under "
-                  f"{UI_CPU_SHARE:.0%} of a core, but at least every {MAX_DRAW_GAP_S:g} s; a tab's token count "
+                  f"{UI_CPU_SHARE:.0%} of a core, but at least every {MAX_DRAW_GAP_S:g} s, i.e. on the first tick "
+                  f"after that; a tab's token count "
                   f"relabelled at a draw at least {LABEL_COUNT_EVERY_S:g} s after the last; chats saved to a history "
                   f"file; GIL switch interval {GIL_SWITCH_INTERVAL_S * 1000:g} ms while the engine thread runs); "
                   "runs alternate bare, app, bare, ...", f"load average at the start (1/5/15 min): {load}"],
@@ -214,7 +223,9 @@ def ui_overhead_section(model: str | None, dtype: str, tabs: int = 4, reply: int
                f"{reply_p50:.0f} ms, p95 {reply_p95:.0f} ms -> "
                f"{'met' if reply_p50 <= 250 and reply_p95 <= 500 else 'MISSED'}",
                f"goal its tab's token count at most 1 s old while it streams (the longest interval between "
-               f"relabels): {count_max:.0f} ms -> {'met' if count_max <= 1000 else 'MISSED'}"],
+               f"relabels): {count_max:.0f} ms -> {'met' if count_max <= 1000 else 'MISSED'}" if count_gaps else
+               "its tab's token count: not shown (the tab bar shows compact labels, without counts, when the full "
+               "ones do not fit)"],
         seconds=t.wall,
         chart={f"{dtype}, {tabs}x{reply}: app / bare engine tokens/s": (ratio, 0.95)},
     )
