@@ -13,6 +13,7 @@ from pathlib import Path
 import platformdirs
 
 from pagedchat import __version__
+from pagedchat.tui.demo import SCENES
 from pagedchat.tui.themes import DEFAULT_THEME, load_themes
 
 # The engine's pool when neither --num-blocks nor --kv-memory is given (pagedchat.engine.llm's
@@ -55,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     attach.add_argument("--api-key", metavar="KEY", help="sent as `Authorization: Bearer KEY`")
     parser.add_argument("--theme", default=DEFAULT_THEME, metavar="NAME",
                         help=f"one of {', '.join(load_themes())} ({DEFAULT_THEME}); switch in the app with ctrl+p")
-    parser.add_argument("--demo", action="store_true",
-                        help="open tabs that chat by themselves from built-in prompts")
+    parser.add_argument("--demo", nargs="?", const="chat", choices=tuple(SCENES), metavar="SCENE",
+                        help="open tabs that chat by themselves: chat (the default), pressure (a small pool that "
+                             "preempts and evicts) or sharing (one system prompt, forks)")
     parser.add_argument("--no-history", action="store_true", help="do not save conversations")
     parser.add_argument("--version", action="version", version=f"pagedchat {__version__}")
     return parser
@@ -305,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         if target is not None:
             check_flags(args)
             return run_app(None, target.url, log_path, attach=target, theme=args.theme, demo=args.demo)
+        scene = SCENES[args.demo] if args.demo else None
+        if scene and scene.num_blocks and args.num_blocks is None and args.kv_memory is None:
+            args.num_blocks = scene.num_blocks  # the scene's pool, unless the user sized one
         llm_kwargs = checked_llm_kwargs(args)
         history = None if args.no_history else open_history()
     except UsageError as exc:

@@ -8,7 +8,7 @@ import textwrap
 from types import SimpleNamespace
 
 import pytest
-from test_serve import KEY, Live
+from test_serve import KEY, Live, wait_for
 from test_tui_support import async_test, wait_until
 
 from pagedchat import SamplingParams
@@ -77,7 +77,9 @@ async def test_two_tabs_chat_through_the_server_and_the_panel_draws_its_snapshot
                 assert reply.text == expected["message"]["content"]
                 assert list(reply.token_ids) == expected["token_ids"]
 
-        server = live.snapshot()  # both conversations stay parked in their sessions
+        # Both conversations stay parked in their sessions (the reference session's close lands a step later).
+        wait_for(lambda: len(live.snapshot()["requests"]) == 2, "the reference session to close")
+        server = live.snapshot()
         ours = {first.conversation.request_id, second.conversation.request_id}
         await wait_until(pilot, lambda: {(r.request_id, r.status) for r in app.query_one(KVPanel).snapshot.requests}
                          == {(request_id, "parked") for request_id in ours}, what="the panel to name the tabs' requests")

@@ -24,6 +24,7 @@ def run(*args: str, tmp_path) -> subprocess.CompletedProcess:
     (["--max-num-seqs", "-3"], "--max-num-seqs must be at least 1"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--backend", "cuda"], "invalid choice: 'cuda'"),
+    (["--demo", "bogus"], "invalid choice: 'bogus'"),
     # attach mode: the local engine's flags, even at their default value, and the attach flags alone
     (["--attach", "http://127.0.0.1:9", "--block-size", "16"], "--block-size sets up the local engine"),
     (["--attach", "http://127.0.0.1:9", "--model=/x"], "--model sets up the local engine"),

@@ -459,7 +459,7 @@ async def test_help_settings_and_palette():
 @async_test
 async def test_demo_tabs_chat_by_themselves(tiny_model):
     kwargs = dict(model=tiny_model, dtype="float32", device="cpu", attention_backend="torch", num_kv_blocks=128)
-    async with PagedChatApp(lambda: LLM(**kwargs), demo=True).run_test(size=SIZE) as pilot:
+    async with PagedChatApp(lambda: LLM(**kwargs), demo="chat").run_test(size=SIZE) as pilot:
         app = pilot.app
         await wait_until(pilot, lambda: len(app._panes) == 4, what="four demo tabs")
         panes = list(app._panes.values())

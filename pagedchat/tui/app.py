@@ -31,6 +31,8 @@ from pagedchat.tui.chat_backend import ChatBackend, LocalChat
 from pagedchat.tui.chat_pane import ChatPane
 from pagedchat.tui.chat_record import ChatRecord
 from pagedchat.tui.conversation import DEFAULT_PARAMS, Conversation, Turn
+from pagedchat.tui.demo import PROMPTS as DEMO_PROMPTS
+from pagedchat.tui.demo import SCENES
 from pagedchat.tui.demo import SYSTEM_PROMPT as DEMO_SYSTEM_PROMPT
 from pagedchat.tui.demo import demo_scripts
 from pagedchat.tui.engine_badge import EngineBadge
@@ -63,8 +65,6 @@ UI_CPU_SHARE = 0.03  # of a core: the UI thread's while the engine works, drawin
 MAX_DRAW_GAP_S = 1.5 / POLL_HZ  # while the engine runs, a draw at least every other tick (half a tick spare)
 LABEL_COUNT_EVERY_S = 0.5  # a streaming tab's count relabels at most this often: at most a second old
 SLOW_MOTION = (0.0, 0.25, 1.0)  # seconds between steps, cycled by f3
-DEMO_TABS = 4
-DEMO_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=160)
 STATES = {"waiting": "waiting", "running": "generating", "preempted": "preempted"}
 STATE_WIDTH = max(map(len, STATES.values()))
 STATE_MARKS = {"idle": " ", "waiting": "⋯", "generating": "▸", "preempted": "‖"}  # in a compact tab label
@@ -111,7 +111,7 @@ class PagedChatApp(App):
 
     def __init__(self, load_llm: Callable[[], object] | None, *, model_name: str = "the model",
                  attach: "AttachTarget | None" = None,
-                 theme: str = DEFAULT_THEME, demo: bool = False, params: SamplingParams = DEFAULT_PARAMS,
+                 theme: str = DEFAULT_THEME, demo: str | None = None, params: SamplingParams = DEFAULT_PARAMS,
                  history: History | None = None,
                  on_engine: Callable[[object, EngineThread], None] | None = None) -> None:
         """`on_engine(llm, worker)`: told once the engine thread runs (`serve --tui` serves it too)."""
@@ -142,9 +142,11 @@ class PagedChatApp(App):
         self._poll_timer: Timer | None = None
         self._quiet_polls = 0
         self._frame_budget = FrameBudget(UI_CPU_SHARE, MAX_DRAW_GAP_S)
-        self._demo_on = demo
+        self._demo_on = demo is not None
+        self._scene = SCENES[demo or "chat"]  # a scene's name (pagedchat.tui.demo); the palette starts "chat"
         self._demo_scripts = demo_scripts()
         self._demo_tabs: dict[str, Iterator[str]] = {}
+        self._forks_due = 0  # forks the scene still makes of its first tab
         self._closed_chats: list[ClosedChat] = []
         self._tags: dict[str, SessionTag] = {}  # every tab opened, by key
 
@@ -368,14 +370,18 @@ class PagedChatApp(App):
         self._carry_over(closed.draft, sent=False)
 
     async def action_fork_chat(self) -> None:
-        source = self.current_pane
-        if source is None or source.conversation.request_id is None:
+        if (source := self.current_pane) is not None:
+            await self._fork(source)
+
+    async def _fork(self, source: ChatPane) -> ChatPane | None:
+        """A new tab with the source's history, its blocks shared; None (and a notice why) if it cannot be."""
+        if source.conversation.request_id is None:
             self.notify("Nothing to fork yet: send a message first.", severity="warning")
-            return
+            return None
         if source.replying and not self.chat.forks_replies:
             self.notify("A server cannot fork a reply in progress: wait for it, or stop it (escape), then fork.",
                         severity="warning")
-            return
+            return None
         self._tabs_opened += 1
         key = f"chat-{self._tabs_opened}"
         twin = source.conversation.fork(key)
@@ -383,6 +389,7 @@ class PagedChatApp(App):
         self.chat.fork(source.conversation.request_id, twin.request_id, WidgetSink(pane))
         if source.replying:
             pane.start_forked_reply(source.reply_text)
+        return pane
 
     def action_previous_tab(self) -> None:
         self._tabbed.query_one(Tabs).action_previous_tab()
@@ -517,15 +524,25 @@ class PagedChatApp(App):
     async def _start_demo(self) -> None:
         self._demo_on = True
         if not self._demo_tabs:
-            for _ in range(DEMO_TABS):
-                await self._open_demo_tab()
+            for index in range(self._scene.tabs):
+                await self._open_demo_tab(index)
+            self._forks_due = self._scene.forks
         if not hasattr(self, "_demo_timer"):
             self._demo_timer = self.set_interval(1.0, self._demo_tick)
 
-    async def _open_demo_tab(self) -> None:
-        conversation, title = self._new_conversation(DEMO_SYSTEM_PROMPT, DEMO_PARAMS)
+    async def _open_demo_tab(self, index: int = 0) -> None:
+        scene = self._scene
+        prompt = DEMO_SYSTEM_PROMPT if scene.shared_prompt else DEMO_PROMPTS[index % len(DEMO_PROMPTS)]
+        conversation, title = self._new_conversation(prompt, scene.params)
         self._demo_tabs[conversation.key] = next(self._demo_scripts)
         await self._open(conversation, f"demo {title.split()[-1]}", record=False)  # demo chats are not kept
+
+    async def _fork_demo_tab(self, key: str) -> None:
+        """The sharing scene: forks of the first tab, which go on with questions of their own."""
+        for _ in range(self._forks_due):
+            if (fork := await self._fork(self._panes[key])) is not None:
+                self._demo_tabs[fork.id] = next(self._demo_scripts)
+        self._forks_due = 0
 
     async def action_toggle_demo(self) -> None:
         if self._demo_on:
@@ -537,6 +554,9 @@ class PagedChatApp(App):
     async def _demo_tick(self) -> None:
         if not self._demo_on:
             return
+        first = next(iter(self._demo_tabs), None)
+        if self._forks_due and first is not None and self._panes[first].conversation.last_reply is not None:
+            await self._fork_demo_tab(first)
         for key, script in list(self._demo_tabs.items()):
             pane = self._panes[key]
             if pane.full:  # the conversation filled the context: start over in a fresh tab

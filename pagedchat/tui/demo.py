@@ -1,10 +1,17 @@
-"""Built-in conversations for `pagedchat --demo`: tabs that chat by themselves.
+"""Built-in scenes for `pagedchat --demo [SCENE]`: tabs that chat by themselves.
 
-Every demo tab starts with the same system prompt, long enough to fill a few blocks, so the prefix
-cache shares those blocks between the tabs and the grid shows them with a ref count above 1.
+- `chat` (the default): four tabs under one system prompt, long enough to fill a few blocks, so the
+  prefix cache shares those blocks between the tabs and the grid shows them with a ref count above 1.
+- `pressure`: six tabs, each under a system prompt of its own, with long replies, in a pool of 40
+  blocks: it runs dry, so the engine preempts a tab (and takes it back later) and evicts cached blocks.
+- `sharing`: two tabs under one system prompt; once the first has replied it is forked, and the fork
+  goes on with questions of its own: the shared blocks stay shared, each branch adds its own.
 """
 
 import itertools
+from dataclasses import dataclass
+
+from pagedchat.engine.params import SamplingParams
 
 SYSTEM_PROMPT = (
     "You are a patient teacher in a terminal chat app that shows how a language model's key-value "
@@ -22,6 +29,33 @@ CONVERSATIONS = (
      "What is its time complexity?"),
     ("Explain copy-on-write in two sentences.", "Where else is it used?", "Any downsides?"),
 )
+
+
+PROMPTS = (  # one each for the pressure scene's tabs: nothing for the prefix cache to share
+    "You are a ship's cook. Answer every question with a recipe, step by step.",
+    "You are a travel guide in Lisbon. Answer with places to see and how to get there.",
+    "You are a chess coach. Answer with a plan and the moves that carry it out.",
+    "You are a gardener. Answer with what to plant, when, and how to care for it.",
+    "You are a historian of Rome. Answer with the story, its people and its dates.",
+    "You are a music teacher. Answer with exercises, from the simplest to the hardest.",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Scene:
+    tabs: int
+    shared_prompt: bool  # every tab under SYSTEM_PROMPT, else each under one of PROMPTS
+    params: SamplingParams
+    num_blocks: int | None = None  # the pool it is made for; an explicit --num-blocks or --kv-memory wins
+    forks: int = 0  # tabs forked from the first once it has replied
+
+
+SCENES = {
+    "chat": Scene(4, True, SamplingParams(temperature=0.7, top_p=0.95, max_tokens=160)),
+    "pressure": Scene(6, False, SamplingParams(temperature=0.7, top_p=0.95, max_tokens=320, frequency_penalty=0.5),
+                      num_blocks=40),
+    "sharing": Scene(2, True, SamplingParams(temperature=0.7, top_p=0.95, max_tokens=120), forks=1),
+}
 
 
 def demo_scripts():
