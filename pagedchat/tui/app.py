@@ -4,6 +4,7 @@ import asyncio
 import copy
 import gc
 import logging
+import math
 import signal
 import threading
 import time
@@ -63,6 +64,7 @@ class ClosedChat:
 POLL_HZ = 10
 UI_CPU_SHARE = 0.03  # of a core: the UI thread's while the engine works, drawing gives way (frame_budget.py)
 MAX_DRAW_GAP_S = 1.5 / POLL_HZ  # while the engine runs, a draw at least every other tick (half a tick spare)
+PANEL_EVERY_S = 0.4  # the KV panel's redraws while the engine runs (teaching mode: every step)
 LABEL_COUNT_EVERY_S = 0.5  # a streaming tab's count relabels at most this often: at most a second old
 SLOW_MOTION = (0.0, 0.25, 1.0)  # seconds between steps, cycled by f3
 STATES = {"waiting": "waiting", "running": "generating", "preempted": "preempted"}
@@ -141,6 +143,7 @@ class PagedChatApp(App):
         self._snapshot: "KVSnapshot | LogicalSnapshot | None" = None
         self._poll_timer: Timer | None = None
         self._quiet_polls = 0
+        self._panel_drawn_at = -math.inf
         self._frame_budget = FrameBudget(UI_CPU_SHARE, MAX_DRAW_GAP_S)
         self._demo_on = demo is not None
         self._scene = SCENES[demo or "chat"]  # a scene's name (pagedchat.tui.demo); the palette starts "chat"
@@ -585,9 +588,13 @@ class PagedChatApp(App):
                 await pane.draw()
             snapshot = self.attached.snapshot if self.attached else self.worker.snapshot
             if snapshot is not self._snapshot:
-                self._snapshot = snapshot
                 self._quiet_polls = 0
-                self._redraw_panel()
+                # Repainting the panel is most of a frame's cost: while replies stream, it follows
+                # at PANEL_EVERY_S, the reply on show at every draw.
+                now = time.monotonic()
+                if teaching or now - self._panel_drawn_at >= PANEL_EVERY_S:
+                    self._snapshot, self._panel_drawn_at = snapshot, now
+                    self._redraw_panel()
             elif self.worker is not None and not any(pane.replying for pane in self._panes.values()):
                 # The engine moves only on a command (`_wake`): after a quiet second, stop polling
                 # until the next command (`_wake`), so an idle app costs nothing.
