@@ -7,6 +7,7 @@ a log file in the user's state directory, which the line names.
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -318,8 +319,24 @@ def main(argv: list[str] | None = None) -> int:
 
     from pagedchat.engine.llm import LLM
 
-    return run_app(lambda: LLM(**llm_kwargs), Path(llm_kwargs["model"]).name, log_path,
+    code = run_app(lambda: LLM(**llm_kwargs), Path(llm_kwargs["model"]).name, log_path,
                    theme=args.theme, demo=args.demo, history=history)
+    leave_any_compile_behind(code)
+    return code
+
+
+def leave_any_compile_behind(code: int) -> None:
+    """A compile still running when the app quits is a daemon thread inside inductor's C++: the
+    interpreter's teardown pulls the runtime from under it and the process aborts ("terminate called
+    without an active exception", exit 134). The app is done and the terminal restored, the history
+    committed as it went: leave at once instead. The compile starts again, from its cache, next time."""
+    from pagedchat.engine import compiled_decode
+
+    if compiled_decode.compiling():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def run_app(load_llm, model_name: str, log_path: Path, **options) -> int:
@@ -390,4 +407,5 @@ def serve_with_app(llm_kwargs: dict, config, log_path: Path) -> int:
     if app.load_error is not None:
         print(f"pagedchat: error: {app.load_error} (details in {log_path})", file=sys.stderr)
         return 1
+    leave_any_compile_behind(app.return_code or 0)
     return app.return_code or 0

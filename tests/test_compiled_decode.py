@@ -120,3 +120,15 @@ def test_a_failing_compile_is_tried_three_times_and_the_engine_serves_eagerly(ti
         assert out.token_ids == hf_greedy(tiny_model, prompt, 24, min_new_tokens=24)
         assert not compiled.wait(timeout=60)
     assert compiled.failures == compiled_decode.MAX_TRIES and "no C++ compiler" in compiled.error
+
+
+def test_compiling_says_whether_a_compile_thread_is_still_at_work():
+    """The CLI leaves at once (os._exit) while one is: the interpreter's teardown would abort it in C++."""
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait, name=compiled_decode.THREAD_NAME, daemon=True)
+    assert not compiled_decode.compiling()
+    thread.start()
+    assert compiled_decode.compiling()
+    release.set()
+    thread.join()
+    assert not compiled_decode.compiling()

@@ -31,10 +31,16 @@ log = logging.getLogger(__name__)
 
 MAX_TRIES = 3
 COMPILE_ENV = "PAGEDCHAT_COMPILE"  # "0": LLM and the app do not compile unless asked to
+THREAD_NAME = "pagedchat-compile"
 
 
 def compiling_by_default() -> bool:
     return os.environ.get(COMPILE_ENV, "1") != "0"
+
+
+def compiling() -> bool:
+    """Whether a compile is still under way in its thread (in inductor's C++ most of the time)."""
+    return any(thread.name == THREAD_NAME and thread.is_alive() for thread in threading.enumerate())
 
 
 def compile_cache_dir() -> Path:
@@ -68,7 +74,7 @@ class CompiledDecode:
         """Compile for the current thread count in the background, unless ready, under way or failed."""
         if self.error is None and not self.ready() and not (self._thread and self._thread.is_alive()):
             self._thread = threading.Thread(target=self._compile, args=(torch.get_num_threads(),),
-                                            name="pagedchat-compile", daemon=True)
+                                            name=THREAD_NAME, daemon=True)
             self._thread.start()
 
     def wait(self, timeout: float | None = None) -> bool:
