@@ -47,6 +47,18 @@ def run_to_end(engine, check=True, max_steps: int = 5000) -> dict[str, object]:
     return finished
 
 
+def next_turn(engine, chat, message: str, params, request_id: str = "chat") -> tuple[list[int], object]:
+    """The chat's next user message sent (the whole prompt on its first turn, after that only the new
+    tokens of a kept request) and run to its end: the tokens sent, and the turn's output."""
+    first = not chat.token_ids
+    new_ids = chat.user_turn(message)
+    if first:
+        engine.add_request(request_id, new_ids, params, keep=True)
+    else:
+        engine.continue_request(request_id, new_ids, params)
+    return new_ids, run_to_end(engine)[request_id]
+
+
 def random_prompts(seed: int, lengths: list[int], vocab: int = 250) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
@@ -95,14 +107,9 @@ def test_three_turn_conversation_computes_only_new_tokens(tiny_model):
     engine = llm.engine
     chat = ChatSession(llm.get_tokenizer())
     params = SamplingParams(max_tokens=12, **GREEDY)
-    for turn, message in enumerate(["Hello there!", "Tell me more, please.", "Thanks — bye."]):
+    for message in ["Hello there!", "Tell me more, please.", "Thanks — bye."]:
         resident = chat.num_tokens
-        new_ids = chat.user_turn(message)
-        if turn == 0:
-            engine.add_request("chat", new_ids, params, keep=True)
-        else:
-            engine.continue_request("chat", new_ids, params)
-        out = run_to_end(engine)["chat"]
+        _, out = next_turn(engine, chat, message, params)
         # Everything from earlier turns was resident except the last reply token, whose KV is computed now.
         assert out.num_cached_tokens == max(resident - 1, 0)
         assert out.prompt_token_ids == chat.token_ids

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 import torch
-from test_engine import hf_greedy, make_llm, random_prompts, run_to_end
+from test_engine import hf_greedy, make_llm, next_turn, random_prompts
 from test_serve import GREEDY, POOL, Live
 from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -35,13 +35,8 @@ def test_repetition_penalty_covers_earlier_turns_like_hf(tiny_model):
     chat = ChatSession(llm.get_tokenizer())
     params = SamplingParams(max_tokens=12, repetition_penalty=1.3, **GREEDY)
     changed = False
-    for turn, message in enumerate(["Hello there!", "Tell me more, please.", "Thanks - bye."]):
-        new_ids = chat.user_turn(message)
-        if turn == 0:
-            engine.add_request("chat", new_ids, params, keep=True)
-        else:
-            engine.continue_request("chat", new_ids, params)
-        out = run_to_end(engine)["chat"]
+    for message in ["Hello there!", "Tell me more, please.", "Thanks - bye."]:
+        new_ids, out = next_turn(engine, chat, message, params)
         assert out.token_ids == hf_greedy(tiny_model, chat.token_ids, 12, repetition_penalty=1.3)
         # Penalising only this turn's message and reply would be a different reply somewhere.
         this_turn_only = TurnOnlyRepetitionPenalty(len(chat.token_ids) - len(new_ids), 1.3)

@@ -36,7 +36,6 @@ class TreeBlock:
     block_hash: Hash
     parent: Hash | None
     token_ids: tuple[int, ...]
-    depth: int
     orphan: bool  # its parent is not resident: stored before the view began, or evicted first
 
 
@@ -145,11 +144,11 @@ class LogicalWatch:
 def rank_view(rank: int, tree: PrefixTree, contexts: Mapping[str, Sequence[int]],
               problem: str | None = None) -> RankView:
     blocks: list[TreeBlock] = []
-    stack = [(node, 0) for node in reversed(tree.roots())]
+    stack = list(reversed(tree.roots()))
     while stack and len(blocks) < MAX_TREE_BLOCKS:
-        node, depth = stack.pop()
-        blocks.append(TreeBlock(node.hash, node.parent, node.token_ids, depth, tree.orphan(node.hash)))
-        stack.extend((child, depth + 1) for child in reversed(tree.children(node.hash)))
+        node = stack.pop()
+        blocks.append(TreeBlock(node.hash, node.parent, node.token_ids, tree.orphan(node.hash)))
+        stack.extend(reversed(tree.children(node.hash)))
     matches = {request_id: tuple(tree.match(ids)) for request_id, ids in contexts.items()}
     return RankView(rank, tree.block_size, tuple(blocks), len(tree) - len(blocks), tuple(tree.evictions), matches,
                     tree.partial, problem)

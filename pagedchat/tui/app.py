@@ -629,7 +629,6 @@ class PagedChatApp(App):
     def _update_labels(self) -> None:
         infos = {info.request_id: info for info in self._snapshot.requests} \
             if isinstance(self._snapshot, KVSnapshot) else {}
-        contexts = self.attached.contexts() if self.attached else {}
         labels = {}
         compact = self._tabs_overflow()
         for key, pane in self._panes.items():
@@ -639,7 +638,7 @@ class PagedChatApp(App):
             progress = self.chat.progress(pane.conversation.request_id) if pane.replying else None
             status = info.status if info else "running" if progress and progress.token_ids else "waiting"
             state = STATES.get(status, "idle") if pane.replying else "idle"
-            tokens = info.num_tokens if info else len(contexts.get(pane.conversation.request_id, ())) \
+            tokens = info.num_tokens if info else self.chat.num_tokens(pane.conversation.request_id) \
                 if self.attached else pane.conversation.num_tokens
             labels[key] = ((pane.title, self.theme, state, compact), 0 if compact else tokens)
         changed = {key: label for key, label in labels.items() if self._labels.get(key) != label}

@@ -57,6 +57,10 @@ class RemoteChat:
         return {request_id: output.prompt_token_ids + output.outputs[0].token_ids
                 for request_id, output in self._contexts.items()}
 
+    def num_tokens(self, request_id: str) -> int:
+        output = self._contexts.get(request_id)
+        return len(output.prompt_token_ids) + len(output.outputs[0].token_ids) if output else 0
+
     def reply(self, send: Send, params: SamplingParams, sink: Sink) -> None:
         assert send.request_id not in self._streams, "one turn at a time per conversation"
         task = asyncio.get_running_loop().create_task(self._stream(send, params, sink))
