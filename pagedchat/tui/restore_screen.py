@@ -25,12 +25,20 @@ class RestoreScreen(ModalScreen[bool]):
         background: $surface;
         padding: 1 2;
     }
+    RestoreScreen Label {
+        width: 100%;
+        text-wrap: nowrap;
+        text-overflow: ellipsis;
+    }
     RestoreScreen Horizontal {
+        width: 100%;
         height: auto;
         align-horizontal: right;
         margin-top: 1;
     }
     """
+
+    LISTED = 6
 
     def __init__(self, chats: list[SavedChat]) -> None:
         super().__init__()
@@ -39,8 +47,11 @@ class RestoreScreen(ModalScreen[bool]):
     def compose(self) -> ComposeResult:
         messages = sum(len(chat.messages) for chat in self.chats)
         with Vertical():
-            yield Label(f"[b]{len(self.chats)} chat(s)[/b] from last time ({messages} messages): "
-                        + ", ".join(chat.title for chat in self.chats[:6]) + ("…" if len(self.chats) > 6 else ""))
+            yield Label(f"[b]{len(self.chats)} chat(s)[/b] from last time ({messages} messages):")
+            for chat in self.chats[:self.LISTED]:
+                yield Label(f"• {chat.title}", markup=False, classes="chat")
+            if len(self.chats) > self.LISTED:
+                yield Label(f"  … and {len(self.chats) - self.LISTED} more")
             with Horizontal():
                 yield Button("Start fresh", id="fresh")
                 yield Button("Restore", id="restore", variant="primary")
