@@ -2,6 +2,7 @@
 
 import dataclasses
 
+from test_tui_app import LONG, loaded, make_app  # noqa: F401 (make_app is a fixture)
 from test_tui_support import PanelApp, async_test, frozen_llm, make_snapshot, wait_until
 
 from pagedchat.engine.snapshot import RequestInfo
@@ -18,7 +19,7 @@ SIZE = (60, 44)
 def with_requests(num_blocks: int, block_size: int, *specs: tuple, tables: dict | None = None):
     """A snapshot whose requests are (request_id, status, num_tokens, max_len), in arrival order."""
     base = make_snapshot(num_blocks=num_blocks, block_size=block_size, tables=tables)
-    requests = tuple(RequestInfo(rid, rid, status, tuple((tables or {}).get(rid, ())), tokens, 0, 0, max_len)
+    requests = tuple(RequestInfo(rid, rid, status, tuple((tables or {}).get(rid, ())), tokens, 0, 0, max_len, 0)
                      for rid, status, tokens, max_len in specs)
     return dataclasses.replace(base, requests=requests)
 
@@ -110,3 +111,42 @@ async def test_f9_shows_the_contiguous_numbers_and_hides_them_again():
         await pilot.press("f9")
         await pilot.pause()
         assert not view.display
+
+
+@async_test
+async def test_on_a_live_engine_paging_serves_two_chats_a_contiguous_pool_would_refuse_one_of(make_app):
+    # 48 blocks of 16: each chat asks prompt + 600 tokens up front (~40 blocks); the second no longer fits.
+    app = make_app(LONG, num_kv_blocks=48)
+    async with app.run_test(size=(160, 50)) as pilot:
+        first = (await loaded(pilot)).current_pane
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: app.current_pane is not first, what="the second tab")
+        second = app.current_pane
+        assert first.send("the first chat") and second.send("the second chat")
+        await wait_until(pilot, lambda: len(first.reply_text) > 3 and len(second.reply_text) > 3,
+                         what="both replies to stream")
+        await pilot.press("f5")  # paused: the numbers hold still while the test reads them
+        steps = []
+
+        def still() -> bool:  # the step in flight when f5 came has ended, and no other began
+            steps.append(app.worker.snapshot.step)
+            return app.worker.paused and len(steps) > 3 and steps[-1] == steps[-4]
+
+        await wait_until(pilot, still, what="the pause")
+        await pilot.press("f9")
+        await wait_until(pilot, lambda: app.query_one(ContiguousView).display, what="the view")
+        await pilot.pause(0.6)  # a panel redraw after the last step
+        live = app.worker.snapshot
+        size = live.block_size
+        a, b = [info for info in live.requests if info.status == "running"]
+        asked_a, asked_b = -(-a.max_len // size), -(-b.max_len // size)
+        assert asked_a <= 48 < asked_a + asked_b  # the premise: one fits, two do not
+        held = live.num_blocks - live.num_free_blocks
+        assert held == len(set(live.block_tables[a.seq_id]) | set(live.block_tables[b.seq_id])) < 48
+
+        text = "\n".join(line.plain for line in app.query_one(ContiguousView)._lines)
+        assert f"asked    {asked_a + asked_b:>5} blocks for 2 live" in text
+        assert f"reserved {asked_a:>5}" in text
+        assert "refused      1 of 2 live: paging serves them" in text
+        assert f"paging holds {held:>5}" in text and "for all 2 live, refuses 0" in text
+        assert f"{first.title:<14}" in text and f"0-{asked_a - 1}" in text and "refused" in text.splitlines()[-1]
