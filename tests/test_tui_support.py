@@ -15,9 +15,11 @@ from pagedchat.tui.themes import DEFAULT_THEME, load_themes
 
 def make_snapshot(num_blocks: int = 64, block_size: int = 16, tables: dict | None = None,
                   fills: dict | None = None, cached: tuple = (), statuses: dict | None = None,
-                  events: tuple = (), step: int = 7, max_len: int = 1024, preemptions: int = 0) -> KVSnapshot:
+                  events: tuple = (), step: int = 7, max_len: int = 1024, preemptions: int = 0,
+                  stepped: dict | None = None) -> KVSnapshot:
     """A consistent snapshot: owners and ref counts follow the block tables; a block is full unless
-    `fills` says otherwise; `cached` blocks are free but keep a hash."""
+    `fills` says otherwise; `cached` blocks are free but keep a hash. `stepped` maps the
+    requests the last step ran to their computed tokens (before it, after it); the others computed none."""
     tables = tables or {}
     owners: dict[int, list[str]] = {}
     for request_id, table in tables.items():
@@ -31,10 +33,10 @@ def make_snapshot(num_blocks: int = 64, block_size: int = 16, tables: dict | Non
         blocks.append(BlockInfo(block_id, len(held), filled, held, not held and block_id in cached,
                                 0x9E3779B97F4A7C15 ^ block_id if full else None,
                                 tuple(range(97, 97 + filled))))
-    statuses = statuses or {}
+    statuses, stepped = statuses or {}, stepped or {}
     requests = tuple(
-        RequestInfo(rid, rid, statuses.get(rid, "running"), tuple(table),
-                    sum(blocks[b].num_tokens for b in table), 0, 0, max_len)
+        RequestInfo(rid, rid, statuses.get(rid, "running"), tuple(table), sum(blocks[b].num_tokens for b in table),
+                    stepped.get(rid, (0, 0))[1], 0, max_len, stepped.get(rid, (0, 0))[0])
         for rid, table in tables.items())
     return KVSnapshot(
         step=step, num_blocks=num_blocks, block_size=block_size,

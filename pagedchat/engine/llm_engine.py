@@ -64,6 +64,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.groups: dict[str, list[Sequence]] = {}  # request id -> its samples: the requests the engine knows
         self.step_count = 0
+        self._last_step: list[ScheduledSeq] = []  # what the last step ran: the snapshot's before-step counts
         # Requests that moved outside a step (aborted, closed, forked, refused), keyed by id(group): each
         # owes one output at the next step, even if its id is forgotten meanwhile.
         self._owed: dict[int, list[Sequence]] = {}
@@ -175,7 +176,7 @@ class LLMEngine:
         if self.threads is not None:
             self.threads.update()
         started = time.perf_counter()
-        scheduled = self.scheduler.schedule()
+        scheduled = self._last_step = self.scheduler.schedule()
         logits = self._run(scheduled) if scheduled else None
         sampled = self._sample(scheduled, logits) if logits is not None else []
         for seq, token in sampled:
@@ -304,9 +305,13 @@ class LLMEngine:
                       b.ref_count == 0 and b.block_hash is not None, b.block_hash, tuple(b.token_ids))
             for b in self.pool.blocks
         )
+        # The list holds the sequences it names, so no id here is a recycled one. A sequence freed since
+        # the step (released, closed, failed) computed less than it had: the step's work is gone.
+        starts = {id(item.seq): item.start for item in self._last_step}
         requests = tuple(
             RequestInfo(seq.request_id, seq.seq_id, seq.status.value, tuple(seq.block_table), len(seq),
-                        seq.num_computed_tokens, seq.num_cached_tokens, seq.max_len)
+                        seq.num_computed_tokens, seq.num_cached_tokens, seq.max_len,
+                        min(starts.get(id(seq), seq.num_computed_tokens), seq.num_computed_tokens))
             for seq in seqs
         )
         self._trim_rate(time.perf_counter())

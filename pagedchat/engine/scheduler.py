@@ -1,5 +1,5 @@
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedchat.engine.kv_manager import KVCacheManager
 from pagedchat.engine.sequence import Sequence, Status
@@ -10,8 +10,10 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens computed for it this step
     samples: bool = False  # this step reaches the end of the sequence, so its last position is sampled
+    start: int = field(init=False)  # tokens computed before this step's: its cached prefix included
 
     def __post_init__(self) -> None:
+        self.start = self.seq.num_computed_tokens
         self.samples = self.seq.num_computed_tokens + self.num_tokens == len(self.seq)
 
 

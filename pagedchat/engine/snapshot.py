@@ -25,6 +25,9 @@ class RequestInfo:
     num_computed_tokens: int
     num_cached_tokens: int
     max_len: int
+    # Computed before the last step ran it (its cached prefix included); num_computed_tokens if it did
+    # not run it. The step wrote slots [this, num_computed_tokens) and read every slot below the end.
+    num_computed_before_step: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +78,10 @@ def snapshot_from_json(d: dict) -> KVSnapshot:
         "blocks": tuple(_build(BlockInfo, b | {
             "owners": tuple(b["owners"]), "token_ids": tuple(b["token_ids"]),
             "block_hash": None if b["block_hash"] is None else int(b["block_hash"])}) for b in d["blocks"]),
-        "requests": tuple(_build(RequestInfo, r | {"block_table": tuple(r["block_table"])}) for r in d["requests"]),
+        "requests": tuple(_build(RequestInfo, {
+            # an older server leaves the field out: nothing shows as touched by its step
+            "num_computed_before_step": r["num_computed_tokens"]} | r | {"block_table": tuple(r["block_table"])})
+            for r in d["requests"]),
         "block_tables": {key: tuple(table) for key, table in d["block_tables"].items()},
         "events": tuple(_build(BlockEvent, e) for e in d["events"]),
     })

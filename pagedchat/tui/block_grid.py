@@ -19,10 +19,13 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from pagedchat.engine.snapshot import BlockInfo, KVSnapshot
+from pagedchat.tui.step_marks import Mark
 from pagedchat.tui.themes import SessionTag
 
 CELL_WIDTH = 2  # a glyph and a gap
 FILL = " ▁▂▃▄▅▆▇█"  # a block's fill in eighths
+# Drawn in the gap after a cell that the last step touched: a glyph over a full block would hide its fill.
+MARK_GLYPHS: dict[Mark, str] = {"read": "◃", "written": "◂"}
 
 # A cell as drawn: glyph, foreground, background (colours are theme colours, resolved by name).
 Cell = tuple[str, str, str | None]
@@ -48,7 +51,12 @@ class BlockGrid(ScrollView, can_focus=True):
     | left/right | Previous/next block. |
     | up/down | The block one row up/down. |
     | home/end | First/last block. |
+
+    While the engine is paused or in slow motion the panel passes the last step's marks: the gap after
+    a block it read or wrote shows MARK_GLYPHS, styled by the component classes.
     """
+
+    COMPONENT_CLASSES = {"block-grid--read", "block-grid--written"}
 
     BINDINGS: list[BindingType] = [
         Binding("left", "move(-1)", "Previous block", show=False),
@@ -70,6 +78,13 @@ class BlockGrid(ScrollView, can_focus=True):
     BlockGrid:focus {
         background-tint: $foreground 5%;
     }
+    BlockGrid > .block-grid--read {
+        color: $text-muted;
+    }
+    BlockGrid > .block-grid--written {
+        color: $warning;
+        text-style: bold;
+    }
     """
 
     cursor: reactive[int | None] = reactive(None, init=False)
@@ -90,6 +105,7 @@ class BlockGrid(ScrollView, can_focus=True):
     def __init__(self, *, name: str | None = None, id: str | None = None, classes: str | None = None):
         super().__init__(name=name, id=id, classes=classes)
         self._cells: list[Cell] = []
+        self.marks: dict[int, Mark] = {}  # what the last step touched, when the panel shows it
         self._row_keys: list[tuple] = []
         self._columns = 1
         self._tag_of: Callable[[str], SessionTag] = SessionTag.fallback
@@ -98,9 +114,10 @@ class BlockGrid(ScrollView, can_focus=True):
 
     # -- data --------------------------------------------------------------------------------------
 
-    def show(self, snapshot: KVSnapshot, tag_of: Callable[[str], SessionTag]) -> None:
-        """Draw this snapshot; only rows that look different are refreshed."""
+    def show(self, snapshot: KVSnapshot, tag_of: Callable[[str], SessionTag], marks: dict[int, Mark]) -> None:
+        """Draw this snapshot with these step marks; only rows that look different are refreshed."""
         self._tag_of = tag_of
+        self.marks = marks
         self._cells = [cell_for(block, snapshot.block_size, tag_of) for block in snapshot.blocks]
         if self.cursor is not None and self.cursor >= len(self._cells):
             self.cursor = None
@@ -130,7 +147,9 @@ class BlockGrid(ScrollView, can_focus=True):
     def _row_key(self, row: int) -> tuple:
         start = row * self._columns
         cursor = self.cursor - start if self.cursor is not None else None
-        return start, tuple(self._cells[start:start + self._columns]), cursor
+        end = start + self._columns
+        marks = tuple(self.marks.get(block_id) for block_id in range(start, end)) if self.marks else ()
+        return start, tuple(self._cells[start:end]), marks, cursor
 
     # -- drawing -----------------------------------------------------------------------------------
 
@@ -146,13 +165,17 @@ class BlockGrid(ScrollView, can_focus=True):
         return strip
 
     def _render_row(self, row_key: tuple, width: int) -> Strip:
-        start, cells, cursor = row_key
+        start, cells, marks, cursor = row_key
         base = self.rich_style
         segments = [Segment(f"{start:>{self._gutter - 1}} ", base + Style(dim=True))]
         for i, (glyph, fg, bg) in enumerate(cells):
             segments.append(Segment(glyph, base + self._style(fg, bg, i == cursor)))
-            segments.append(Segment(" ", base))
+            mark = marks[i] if marks else None
+            segments.append(Segment(MARK_GLYPHS[mark], base + self.mark_style(mark)) if mark else Segment(" ", base))
         return Strip(segments).adjust_cell_length(width, base)
+
+    def mark_style(self, mark: Mark) -> Style:
+        return self.get_component_rich_style(f"block-grid--{mark}", partial=True)  # Textual caches it
 
     def _style(self, fg: str, bg: str | None, selected: bool) -> Style:
         key = (fg, bg, selected)

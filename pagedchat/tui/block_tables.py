@@ -5,6 +5,7 @@ from collections.abc import Callable
 from rich.text import Text
 
 from pagedchat.engine.snapshot import KVSnapshot
+from pagedchat.tui.step_marks import StepTouch, step_touch
 from pagedchat.tui.text_panel import TextPanel
 from pagedchat.tui.themes import SessionTag
 
@@ -13,7 +14,9 @@ EMPTY = "no block tables yet"
 
 class BlockTables(TextPanel):
     """One entry per live request, in its session's colour; shared entries are underlined. A table
-    longer than a line goes on in lines of its own, indented, so that every block id shows."""
+    longer than a line goes on in lines of its own, indented, so that every block id shows. With the
+    step marks on, the entries the last step wrote are reversed and a line under the table says what
+    it read and wrote."""
 
     DEFAULT_CSS = """
     BlockTables {
@@ -27,18 +30,20 @@ class BlockTables(TextPanel):
     def __init__(self, **kwargs) -> None:
         super().__init__(EMPTY, **kwargs)
         self._key: tuple | None = None
-        self._shown: tuple[KVSnapshot, Callable[[str], SessionTag]] | None = None
+        self._shown: tuple[KVSnapshot, Callable[[str], SessionTag], bool] | None = None
 
     def on_resize(self) -> None:
         if self._shown is not None:  # the lines break at the width
             self.show(*self._shown)
 
-    def show(self, snapshot: KVSnapshot, tag_of: Callable[[str], SessionTag]) -> None:
-        self._shown = snapshot, tag_of
+    def show(self, snapshot: KVSnapshot, tag_of: Callable[[str], SessionTag], marked: bool) -> None:
+        """`marked`: show what the last step touched."""
+        self._shown = snapshot, tag_of, marked
         live = [info for info in snapshot.requests if info.status != "finished"]
         shared = {b.block_id for b in snapshot.blocks if b.ref_count > 1}
         width = self.content_region.width or 1
-        key = (self.app.theme, width, tuple((info, tag_of(info.request_id)) for info in live), frozenset(shared))
+        key = (self.app.theme, width, tuple((info, tag_of(info.request_id)) for info in live), frozenset(shared),
+               marked, snapshot.block_size)
         if key == self._key:
             return
         self._key = key
@@ -51,6 +56,8 @@ class BlockTables(TextPanel):
             line.append("■ ", style=colour)
             line.append(f"{tag.name}", style=f"bold {colour}")
             line.append(f" {info.status} · {info.num_tokens} tok · {len(info.block_table)} blocks:")
+            touch = step_touch(info, snapshot.block_size) if marked else None
+            written = {block_id for block_id, _, _ in touch.written} if touch else set()
             for block_id in info.block_table:
                 entry = str(block_id)
                 if line.cell_len + 1 + len(entry) > width:
@@ -58,8 +65,22 @@ class BlockTables(TextPanel):
                     text.append("\n")
                     line = Text("   ")
                 line.append(" ")
-                line.append(entry, style=f"{colour} underline" if block_id in shared else colour)
+                style = f"{colour} underline" if block_id in shared else colour
+                line.append(entry, style=f"{style} bold reverse" if block_id in written else style)
             text.append_text(line)
             text.append("\n")
+            if touch:
+                text.append(f"   ↳ read {len(touch.read)} blocks · wrote {wrote(touch)}\n", style=colour)
         text.rstrip()
         self.set_text(text or Text(EMPTY))
+
+
+def wrote(touch: StepTouch) -> str:
+    """The slots a step wrote, as a presenter says them: "slots 5-7 of block 12"; a chunk over several
+    blocks takes a second line."""
+    (first, start, _), (last, _, end) = touch.written[0], touch.written[-1]
+    if first == last:
+        return f"slot {start} of block {first}" if start == end else f"slots {start}-{end} of block {first}"
+    count = sum(stop - begin + 1 for _, begin, stop in touch.written)
+    return (f"{count} slots in {len(touch.written)} blocks\n"
+            f"     from slot {start} of block {first} to slot {end} of block {last}")

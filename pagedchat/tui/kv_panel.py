@@ -9,15 +9,17 @@ from textual.widgets import Static
 
 from pagedchat.engine.snapshot import KVSnapshot
 from pagedchat.tui.block_detail import BlockDetail
-from pagedchat.tui.block_grid import BlockGrid
+from pagedchat.tui.block_grid import MARK_GLYPHS, BlockGrid
 from pagedchat.tui.block_tables import BlockTables
 from pagedchat.tui.contiguous_view import ContiguousView
 from pagedchat.tui.event_log import EventLog
 from pagedchat.tui.kv_stats import KVStats
+from pagedchat.tui.step_marks import step_marks
 from pagedchat.tui.themes import SessionTag
 
 
-def legend_text(colours: dict[str, str]) -> Text:
+def legend_text(colours: dict[str, str], grid: BlockGrid | None = None) -> Text:
+    """The grid's glyphs; with `grid`, a second line for its step marks, in its styles."""
     text = Text()
     for glyph, style, label in (("█", colours["session-0"], "in use"),
                                 ("▄", colours["session-0"], "partial"),
@@ -27,6 +29,12 @@ def legend_text(colours: dict[str, str]) -> Text:
         text.append(glyph, style=style)
         text.append(f" {label}  ")
     text.rstrip()
+    if grid is not None:
+        text.append("\nlast step:")
+        for mark, label in (("written", "wrote slots in it"), ("read", "read it")):
+            text.append("  █", style=colours["session-0"])
+            text.append(MARK_GLYPHS[mark], style=grid.mark_style(mark))
+            text.append(f" {label}")
     return text
 
 
@@ -40,13 +48,14 @@ class KVPanel(Vertical):
     }
     KVPanel > #legend {
         padding: 0 1;
-        height: 1;
+        height: auto;
     }
     """
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.snapshot: KVSnapshot | None = None
+        self.step_marks_on = False  # mark what the last step read and wrote (set_step_marks)
         self._tag_of: Callable[[str], SessionTag] = SessionTag.fallback
         self._decode: Callable[[list[int]], str] = lambda ids: " ".join(map(str, ids))
 
@@ -60,7 +69,9 @@ class KVPanel(Vertical):
         yield EventLog()
 
     def on_mount(self) -> None:
-        self.watch(self.app, "theme", self._redraw)
+        self._redraw()
+        # Not a watch of app.theme: the legend's step marks take the grid's CSS, which changes after it.
+        self.app.theme_changed_signal.subscribe(self, lambda _theme: self._redraw())
 
     def show(self, snapshot: KVSnapshot, tag_of: Callable[[str], SessionTag] | None = None,
              decode: Callable[[list[int]], str] | None = None) -> None:
@@ -69,11 +80,18 @@ class KVPanel(Vertical):
         self._tag_of = tag_of or self._tag_of
         self._decode = decode or self._decode
         self.query_one(KVStats).show(snapshot)
-        self.query_one(BlockGrid).show(snapshot, self._tag_of)
+        self.query_one(BlockGrid).show(snapshot, self._tag_of, step_marks(snapshot) if self.step_marks_on else {})
         self.query_one(ContiguousView).show(snapshot, self._tag_of)
-        self.query_one(BlockTables).show(snapshot, self._tag_of)
+        self.query_one(BlockTables).show(snapshot, self._tag_of, self.step_marks_on)
         self.query_one(EventLog).show(snapshot, self._tag_of)
         self._show_detail()
+
+    def set_step_marks(self, on: bool) -> None:
+        """Mark the blocks the last step read and the slots it wrote: on while the engine is paused or
+        in slow motion, when each step is worth a look (while it runs, the marks would only flicker)."""
+        if on != self.step_marks_on:
+            self.step_marks_on = on
+            self._redraw()
 
     def toggle_contiguous(self) -> bool:
         """Show or hide the contiguous-allocation view beside the grid; returns whether it is shown."""
@@ -90,6 +108,7 @@ class KVPanel(Vertical):
         self._show_detail()
 
     def _redraw(self) -> None:
-        self.query_one("#legend", Static).update(legend_text(self.app.theme_variables))
+        marked = self.query_one(BlockGrid) if self.step_marks_on else None
+        self.query_one("#legend", Static).update(legend_text(self.app.theme_variables, marked))
         if self.snapshot is not None:
             self.show(self.snapshot)
