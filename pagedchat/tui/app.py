@@ -499,6 +499,7 @@ class PagedChatApp(App):
         """The badge and f5's footer entry follow the pause and slow motion: only when they change
         (the badge lays out its own layer; the footer recomposes)."""
         self.query_one(EngineBadge).show_state(self.worker.paused, self.worker.delay)
+        self.query_one(KVPanel).set_step_marks(self.worker.paused or bool(self.worker.delay))
         self.refresh_bindings()
 
     def _f5_action_off(self) -> str:
