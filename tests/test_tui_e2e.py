@@ -170,3 +170,21 @@ def test_kill_during_a_reply_loses_no_finished_message(tiny_model, tmp_path):
     assert rows[0][1] == "first message" and rows[2][1] == "second message"
     assert rows[1][1] and rows[3][1]  # the stopped reply, and the cut-off one as of its last save
     assert rows == saved  # the kill lost nothing that was saved
+
+
+def test_ctrl_o_reaches_the_app_and_opens_the_message_in_a_new_tab(tiny_model, tmp_path):
+    """Edit and resend (ctrl+o), even while the reply streams: the list, then a new tab with the message
+    in its box."""
+    term = tiny_chat(tiny_model, tmp_path)
+    try:
+        send(term, "Hello, tiny model")
+        term.keys("C-o")
+        term.wait_for(r"Edit and resend a message of chat 1", 10)
+        term.keys("Enter")
+        term.wait_for(r"chat 1 \(edit\)", 10)
+        term.wait_for(r"(?m)^ Hello, tiny model", 10)  # in the new tab's box, not its transcript (▌)
+        assert "Edit and resend" not in term.screen()
+        term.keys("C-q")
+        term.wait_for(r"(?m)^exit=0$", 30)
+    finally:
+        term.close()

@@ -36,6 +36,7 @@ from pagedchat.tui.demo import PROMPTS as DEMO_PROMPTS
 from pagedchat.tui.demo import SCENES
 from pagedchat.tui.demo import SYSTEM_PROMPT as DEMO_SYSTEM_PROMPT
 from pagedchat.tui.demo import demo_scripts
+from pagedchat.tui.edit_screen import EditScreen
 from pagedchat.tui.engine_badge import EngineBadge
 from pagedchat.tui.frame_budget import FrameBudget
 from pagedchat.tui.help_screen import HelpScreen
@@ -73,8 +74,8 @@ STATE_MARKS = {"idle": " ", "waiting": "⋯", "generating": "▸", "preempted": 
 CLOSED_KEPT = 20  # closed tabs that ctrl+t can bring back, the last closed first
 # Actions that belong to the chat screen: off while a dialog or the loading screen is up, so that
 # escape and friends reach the dialog despite being priority bindings.
-CHAT_ACTIONS = {"new_chat", "close_chat", "reopen_chat", "fork_chat", "stop", "regenerate", "pause", "resume", "step",
-                "slow_motion", "settings", "copy_reply", "export_chat", "previous_tab", "next_tab",
+CHAT_ACTIONS = {"new_chat", "close_chat", "reopen_chat", "fork_chat", "edit_message", "stop", "regenerate", "pause",
+                "resume", "step", "slow_motion", "settings", "copy_reply", "export_chat", "previous_tab", "next_tab",
                 "toggle_demo", "toggle_panel", "toggle_contiguous"}
 
 
@@ -91,6 +92,7 @@ class PagedChatApp(App):
         Binding("ctrl+w", "close_chat", "Close", priority=True),
         Binding("ctrl+t", "reopen_chat", "Reopen closed chat", priority=True, show=False),
         Binding("ctrl+f", "fork_chat", "Fork", priority=True),
+        Binding("ctrl+o", "edit_message", "Edit an earlier message", priority=True, show=False),
         Binding("escape", "stop", "Stop", priority=True),
         Binding("ctrl+r", "regenerate", "Regenerate", priority=True),
         # f5 has two bindings, one shown at a time (check_action): the footer says what f5 will do.
@@ -333,11 +335,14 @@ class PagedChatApp(App):
         self._update_labels()
         return pane
 
+    def _next_key(self) -> str:
+        """A new tab's key: widget ids and request ids are never reused."""
+        self._tabs_opened += 1
+        return f"chat-{self._tabs_opened}"
+
     def _new_conversation(self, system_prompt: str | None = None,
                           params: SamplingParams | None = None) -> tuple[Conversation, str]:
-        self._tabs_opened += 1
-        key = f"chat-{self._tabs_opened}"
-        conversation = Conversation(self.chat.new_session, key, system_prompt, params or self._params)
+        conversation = Conversation(self.chat.new_session, self._next_key(), system_prompt, params or self._params)
         return conversation, f"chat {self._tabs_opened}"
 
     async def action_new_chat(self) -> None:
@@ -365,10 +370,9 @@ class PagedChatApp(App):
         closed, *self._closed_chats = self._closed_chats
         if closed.record is not None:
             closed.record.reopen()
-        # A new key, as widget ids and request ids are not reused. Its engine request was closed with the
-        # tab: the next turn sends the whole conversation again, served from the prefix cache where it can.
-        self._tabs_opened += 1
-        conversation = closed.conversation.fork(f"chat-{self._tabs_opened}")
+        # Its engine request was closed with the tab: the next turn sends the whole conversation again,
+        # served from the prefix cache where it can.
+        conversation = closed.conversation.fork(self._next_key())
         await self._open(conversation, closed.title, closed.record or False)
         self._carry_over(closed.draft, sent=False)
 
@@ -385,14 +389,32 @@ class PagedChatApp(App):
             self.notify("A server cannot fork a reply in progress: wait for it, or stop it (escape), then fork.",
                         severity="warning")
             return None
-        self._tabs_opened += 1
-        key = f"chat-{self._tabs_opened}"
-        twin = source.conversation.fork(key)
+        twin = source.conversation.fork(self._next_key())
         pane = await self._open(twin, f"{source.title}′")
         self.chat.fork(source.conversation.request_id, twin.request_id, WidgetSink(pane))
         if source.replying:
             pane.start_forked_reply(source.reply_text)
         return pane
+
+    def action_edit_message(self) -> None:
+        """Pick one of the tab's messages: a new tab holds the turns before it, and its text to edit."""
+        if (source := self.current_pane) is None:
+            return
+        # The turns as they are now: a reply may end (or fail) while the list is up. Every turn before
+        # a user message has finished, even while the last one's reply streams.
+        turns = list(source.conversation.turns)
+        messages = [(index, turn.text) for index, turn in enumerate(turns) if turn.role == "user"]
+        if not messages:
+            self.notify("No message to edit yet: send one first.", severity="warning")
+            return
+
+        async def edit(index: int | None) -> None:
+            if index is not None:
+                branch = source.conversation.branch(self._next_key(), turns[:index])
+                await self._open(branch, f"{source.title} (edit)")
+                self._carry_over(turns[index].text, sent=False)
+
+        self.push_screen(EditScreen(source.title, messages), edit)
 
     def action_previous_tab(self) -> None:
         self._tabbed.query_one(Tabs).action_previous_tab()

@@ -139,11 +139,18 @@ class Conversation:
 
     def fork(self, key: str) -> "Conversation":
         """A copy with the same history; its request is forked from this one's (shared blocks)."""
-        twin = Conversation(self._new_session, key, self.system_prompt, self.params)
-        twin._replay(self.turns)
+        twin = self.branch(key, self.turns)
         if self.request_id is not None:
             twin._generation = 1
             twin.request_id = f"{key}.1"
+        return twin
+
+    def branch(self, key: str, turns: list[Turn]) -> "Conversation":
+        """A new conversation under this one's system prompt and settings, holding `turns` (this one's
+        first turns: the history before a message to edit). Nothing of it is in the engine: its first
+        turn sends it all, and the prefix cache shares the full blocks this one's request holds."""
+        twin = Conversation(self._new_session, key, self.system_prompt, self.params)
+        twin._replay(turns)
         return twin
 
     def _messages(self) -> tuple[dict[str, str], ...]:
