@@ -248,6 +248,20 @@ async def warm_up(client, server: "Server", workloads: dict[int, list[Request]],
     check_counts(server.name, wide, (await one_round(client, server.url, server.model, wide)).streams)
 
 
+async def compiled(client, server: "Server", timeout_s: float = 900) -> None:
+    """Wait out a compile of pagedchat's one-chat step (`pagedchat:decode_compiling` in /metrics): the
+    thread policy starts one for each thread count it comes to, and it must not run beside a round, as
+    LLM.generate's does not (InProcess.measure)."""
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        text = (await client.get(server.base + "/metrics")).text
+        if not any(line.startswith("pagedchat:decode_compiling{") and not line.endswith(" 0")
+                   for line in text.splitlines()):
+            return
+        await asyncio.sleep(1)
+    raise PeerError(f"{server.name} still compiles after {timeout_s:.0f} s")
+
+
 def rotated(items: list, i: int) -> list:
     k = i % len(items) if items else 0
     return items[k:] + items[:k]
@@ -291,6 +305,8 @@ async def measure_all(servers: list["Server"], workloads: dict[int, list[Request
                             paired = None
                         continue
                     try:
+                        if srv.peer == "pagedchat":
+                            await compiled(client, srv)
                         cpu = group_cpu_s(srv.process.pid)
                         got = await one_round(client, srv.url, srv.model, requests)
                         got.server_cpu_s = group_cpu_s(srv.process.pid) - cpu

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_engine import make_llm
 
 from pagedchat import SamplingParams
+from pagedchat.engine import compiled_decode
 from pagedchat.engine.chat import ChatSession
 from pagedchat.serve.run import ServeConfig, make_server
 
@@ -309,6 +310,7 @@ def test_health_and_metrics_stay_open_and_metrics_parse(live):
     assert httpx.get(f"{live.url}/v1/models").status_code == 401
     models = live.client.models.list().data
     assert [m.id for m in models] == ["tiny"] and models[0].max_model_len == live.state.served.max_model_len
+    live.client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=2)  # something to count
     text = httpx.get(f"{live.url}/metrics").text
     families = {family.name: family for family in text_string_to_metric_families(text)}
     for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
@@ -318,6 +320,23 @@ def test_health_and_metrics_stay_open_and_metrics_parse(live):
     labels = families["vllm:cache_config_info"].samples[0].labels
     assert labels["block_size"] == "4" and labels["num_gpu_blocks"] == "96"
     assert families["vllm:generation_tokens"].samples[0].value > 0
+    assert families["pagedchat:decode_compiling"].samples[0].value == 0  # compile=False
+
+
+def test_metrics_say_while_a_decode_step_compiles(live):
+    def compiling_now() -> float:
+        text = httpx.get(f"{live.url}/metrics").text
+        return {f.name: f for f in text_string_to_metric_families(text)}["pagedchat:decode_compiling"].samples[0].value
+
+    done = threading.Event()
+    stand_in = threading.Thread(target=done.wait, name=compiled_decode.THREAD_NAME)  # as the compile thread runs
+    stand_in.start()
+    try:
+        assert compiling_now() == 1
+    finally:
+        done.set()
+        stand_in.join()
+    assert compiling_now() == 0
 
 
 def test_tokenize_and_detokenize_round_trip(live):

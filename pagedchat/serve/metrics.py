@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from pagedchat.engine.compiled_decode import compiling
 from pagedchat.engine.outputs import RequestOutput
 from pagedchat.engine.snapshot import KVSnapshot
 
@@ -46,4 +47,8 @@ def render(snapshot: KVSnapshot | None, counters: Counters | None, model_name: s
         metric("vllm:request_success_total", "counter", "Count of finished requests.", counters.requests)
         metric("vllm:cache_config_info", "gauge", "Information of the KV cache config.", 1,
                {"block_size": str(snapshot.block_size), "num_gpu_blocks": str(snapshot.num_blocks)})
+    # A compile takes a core and much of the GIL for 15 s to 2 min (compiled_decode.py): what a benchmark
+    # waits out before it times the server, as it does for LLM.generate in its own process.
+    metric("pagedchat:decode_compiling", "gauge", "1 while the one-chat decode step compiles in the background.",
+           int(compiling()))
     return "\n".join(lines) + "\n"
