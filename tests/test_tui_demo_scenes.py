@@ -1,5 +1,6 @@
 """Issue 16: `--demo [SCENE]`. `pressure` runs a small pool dry (preemptions), `sharing` forks its first
-tab once it has replied (its system prompt's blocks then shared three ways)."""
+tab once it has replied (the fork holds the first tab's blocks) and samples its second tab's replies three
+times."""
 
 from test_tui_app import SIZE
 from test_tui_support import async_test, wait_until
@@ -7,6 +8,7 @@ from test_tui_support import async_test, wait_until
 from pagedchat import LLM
 from pagedchat.cli import build_parser
 from pagedchat.tui.app import PagedChatApp
+from pagedchat.tui.chat_message import ChatMessage
 from pagedchat.tui.demo import PROMPTS, SCENES
 
 
@@ -33,8 +35,39 @@ async def test_the_sharing_scene_forks_its_first_tab_and_the_forks_share_its_blo
         await wait_until(pilot, lambda: len(app._panes) == 3, what="two tabs and a fork", timeout=120)
         titles = sorted(pane.title for pane in app._panes.values())
         assert titles == ["demo 1", "demo 1′", "demo 2"]
-        await wait_until(pilot, lambda: any(b.ref_count >= 3 for b in app.worker.snapshot.blocks),
-                         what="blocks shared by the first tab and its forks", timeout=60)
+        first, fork = (next(p for p in app._panes.values() if p.title == title) for title in ("demo 1", "demo 1′"))
+        await wait_until(pilot, lambda: fork.is_mounted and fork.conversation.request_id is not None, what="the fork")
+
+        def shared_by_both() -> bool:
+            ids = {first.conversation.request_id, fork.conversation.request_id}
+            return any(ids <= set(b.owners) for b in app.worker.snapshot.blocks)
+
+        await wait_until(pilot, shared_by_both, what="blocks shared by the first tab and its fork", timeout=60)
+
+
+@async_test
+async def test_the_sharing_scenes_second_tab_samples_each_reply_three_times_in_branches_of_its_own(tiny_model):
+    app = scene_app(tiny_model, "sharing", 256)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: len(app._panes) >= 2, what="the two tabs", timeout=60)
+        pane = next(p for p in app._panes.values() if p.title == "demo 2")
+        assert pane.conversation.params.n == 3 and next(iter(app._panes.values())).conversation.params.n == 1
+
+        def notes() -> list[str]:
+            return [m.source for m in pane.query(ChatMessage) if m.role == "notice"]
+
+        await wait_until(pilot, lambda: notes(), what="the first reply's samples", timeout=120)
+        reply = pane.conversation.turns[1].text
+        request = pane.conversation.request_id
+        samples = [info for info in app.worker.snapshot.requests if info.request_id == request]
+        assert [info.seq_id for info in samples] == [request, f"{request}#1", f"{request}#2"]
+        # The prompt's full blocks are the same blocks in all three tables; each reply has blocks of its own.
+        tables = [app.worker.snapshot.block_tables[info.seq_id] for info in samples]
+        assert tables[0][:3] == tables[1][:3] == tables[2][:3]  # the system prompt alone fills more than 3
+        assert len({table[-1] for table in tables}) == 3
+        note = notes()[0]
+        assert "3 samples of this reply" in note and "**Sample 2:**" in note and "**Sample 3:**" in note
+        assert "**Sample 1:**" not in note and reply  # the first is the chat's own reply
 
 
 def test_demo_takes_a_scene_and_defaults_to_chat():

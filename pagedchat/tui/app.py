@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import platformdirs
@@ -295,8 +295,6 @@ class PagedChatApp(App):
     def _params_of(self, settings: dict) -> SamplingParams:
         """A saved tab's sampling: the app's, with the settings the tab saved (chat_record.settings_of);
         a setting it has not saved (an older history's penalties) stays the app's."""
-        from dataclasses import replace
-
         from pagedchat.tui.chat_record import SAVED_SETTINGS
 
         try:
@@ -559,7 +557,8 @@ class PagedChatApp(App):
     async def _open_demo_tab(self, index: int = 0) -> None:
         scene = self._scene
         prompt = DEMO_SYSTEM_PROMPT if scene.shared_prompt else DEMO_PROMPTS[index % len(DEMO_PROMPTS)]
-        conversation, title = self._new_conversation(prompt, scene.params)
+        params = replace(scene.params, n=scene.samples) if index == scene.tabs - 1 else scene.params
+        conversation, title = self._new_conversation(prompt, params)
         self._demo_tabs[conversation.key] = next(self._demo_scripts)
         await self._open(conversation, f"demo {title.split()[-1]}", record=False)  # demo chats are not kept
 

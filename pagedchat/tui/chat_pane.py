@@ -18,6 +18,14 @@ from pagedchat.tui.worker import EngineError, EngineOutput, WidgetSink
 FINISH_NOTES = {"abort": "stopped", "length": "max tokens reached"}
 
 
+def samples_note(samples: list[CompletionOutput]) -> str:
+    """The samples after the first of an n > 1 reply: the chat goes on with the first, and the engine
+    with each in a branch of its own (the KV panel's r#1, r#2, ...)."""
+    others = "\n\n".join(f"**Sample {out.index + 1}:** {visible(out.text)}" for out in samples[1:])
+    return (f"*{len(samples)} samples of this reply (n = {len(samples)}), sharing its prompt's blocks: the chat "
+            f"shows the first; each other goes on in a branch of its own.*\n\n{others}")
+
+
 class ChatPane(TabPane):
     """The backend posts the end of each reply (`EngineOutput`) and errors (`EngineError`) here,
     never to the App; the reply in progress is taken from the backend (`catch_up`)."""
@@ -234,6 +242,8 @@ class ChatPane(TabPane):
         if self.max_len is not None and prompt + len(completion.token_ids) >= self.max_len - 1:
             note = "context full"
             self._context_full(f"the conversation has reached the model's context of {self.max_len} tokens")
+        if len(output.outputs) > 1:
+            await self._transcript.mount(ChatMessage("notice", samples_note(output.outputs)))
         self.query_one("#turn-info", Static).update(
             f"last turn: prompt {prompt} tok, {reused} served from blocks held or cached, "
             f"{prompt - reused} computed · reply {len(completion.token_ids)} tok"

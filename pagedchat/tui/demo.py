@@ -5,7 +5,9 @@
 - `pressure`: six tabs, each under a system prompt of its own, with long replies, in a pool of 40
   blocks: it runs dry, so the engine preempts a tab (and takes it back later) and evicts cached blocks.
 - `sharing`: two tabs under one system prompt; once the first has replied it is forked, and the fork
-  goes on with questions of its own: the shared blocks stay shared, each branch adds its own.
+  goes on with questions of its own: the shared blocks stay shared, each branch adds its own. The second
+  tab asks for three samples of each reply (`n = 3`): they share its prompt's blocks, each one's reply
+  its own, and each turn goes on in all three.
 """
 
 import itertools
@@ -48,13 +50,14 @@ class Scene:
     params: SamplingParams
     num_blocks: int | None = None  # the pool it is made for; an explicit --num-blocks or --kv-memory wins
     forks: int = 0  # tabs forked from the first once it has replied
+    samples: int = 1  # n of the last tab: samples of each reply, sharing its prompt's blocks
 
 
 SCENES = {
     "chat": Scene(4, True, SamplingParams(temperature=0.7, top_p=0.95, max_tokens=160)),
     "pressure": Scene(6, False, SamplingParams(temperature=0.7, top_p=0.95, max_tokens=320, frequency_penalty=0.5),
                       num_blocks=40),
-    "sharing": Scene(2, True, SamplingParams(temperature=0.7, top_p=0.95, max_tokens=120), forks=1),
+    "sharing": Scene(2, True, SamplingParams(temperature=0.7, top_p=0.95, max_tokens=120), forks=1, samples=3),
 }
 
 
