@@ -25,6 +25,9 @@ Every number and cell comes from the engine's own block pool.
 
 Click a block (or focus the grid with tab and use the arrow keys) to see its tokens.
 **f5** pauses the engine between steps, **f6** runs one step, **f3** slows every step down.
+While paused or slowed, a **◂** after a cell says the last step wrote K/V into its slots and a **◃**
+that it only read it; the block tables say which slots. **f9** lays the same sessions out as an
+allocator reserving each one's maximum up front would: a model, beside the engine's real numbers.
 """
 
 
