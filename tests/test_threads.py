@@ -4,6 +4,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from pagedchat.engine import threads
@@ -68,3 +69,28 @@ def test_the_engine_follows_the_policy_unless_given_a_count(tiny_model):
         assert fixed.threads is None and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_in_own_thread_returns_or_raises_from_a_thread_that_then_ends():
+    import asyncio
+    import threading
+
+    from pagedchat.engine.threads import in_own_thread
+
+    def where() -> tuple[int, str]:
+        return threading.get_ident(), threading.current_thread().name
+
+    def fails() -> None:
+        raise ValueError("not a model")
+
+    async def main():
+        ident, name = await in_own_thread(where)
+        assert ident != threading.get_ident() and name == "pagedchat-load"
+        with pytest.raises(ValueError, match="not a model"):
+            await in_own_thread(fails)
+        for thread in threading.enumerate():  # gone, and its OpenMP workers with it
+            if thread.name == "pagedchat-load":
+                thread.join(5)
+                assert not thread.is_alive()
+
+    asyncio.run(main())

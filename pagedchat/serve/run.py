@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from pagedchat.engine.engine_thread import EngineThread
+from pagedchat.engine.threads import in_own_thread
 from pagedchat.serve.async_engine import AsyncEngine
 from pagedchat.serve.server import Served, ServerState, build_app
 from pagedchat.serve.sessions import Sessions
@@ -104,7 +105,7 @@ async def expire_sessions(state: ServerState, idle_s: float) -> None:
 
 
 async def load(state: ServerState, load_llm, config: ServeConfig, threads: list, on_ready) -> None:
-    llm = await asyncio.to_thread(load_llm)
+    llm = await in_own_thread(load_llm)
     # The engine thread decodes with the engine's tokenizer; the event loop encodes with its own.
     tokenizer = await asyncio.to_thread(copy.deepcopy, llm.get_tokenizer())
     thread = EngineThread(llm.engine)

@@ -25,6 +25,7 @@ from textual.widgets import Footer, TabbedContent, Tabs
 
 from pagedchat.engine.errors import one_line
 from pagedchat.engine.engine_thread import EngineThread
+from pagedchat.engine.threads import in_own_thread
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.snapshot import KVSnapshot
 from pagedchat.history import History, SavedChat
@@ -194,7 +195,7 @@ class PagedChatApp(App):
         # The loading runs in a thread and the result comes back here by await, not by
         # call_from_thread, which would block the thread forever if the app quit meanwhile.
         try:
-            llm, self.tokenizer = await asyncio.to_thread(self._load_with_tokenizer)
+            llm, self.tokenizer = await in_own_thread(self._load_with_tokenizer)
         except Exception as exc:
             log.exception("loading the model failed")
             self.load_error = one_line(exc)
