@@ -75,7 +75,7 @@ def test_in_own_thread_returns_or_raises_from_a_thread_that_then_ends():
     import asyncio
     import threading
 
-    from pagedchat.engine.threads import in_own_thread
+    from pagedchat.engine.own_thread import in_own_thread
 
     def where() -> tuple[int, str]:
         return threading.get_ident(), threading.current_thread().name

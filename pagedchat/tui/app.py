@@ -25,7 +25,7 @@ from textual.widgets import Footer, TabbedContent, Tabs
 
 from pagedchat.engine.errors import one_line
 from pagedchat.engine.engine_thread import EngineThread
-from pagedchat.engine.threads import in_own_thread
+from pagedchat.engine.own_thread import in_own_thread
 from pagedchat.engine.params import SamplingParams
 from pagedchat.engine.snapshot import KVSnapshot
 from pagedchat.history import History, SavedChat
