@@ -1,17 +1,56 @@
-"""The CPU matmuls: oneDNN on reordered fp32 weights, torch's own product for a row or two of bf16."""
+"""The CPU matmuls: pagedchat's AVX2 kernel (cpu_gemm.c) and oneDNN, both in fp32 and rounded once, and
+torch's own product for a row or two of bf16."""
+
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedchat.engine import cpu_linear
-from pagedchat.engine.cpu_linear import OneDnnLinear, linear_for
+from pagedchat.engine import cpu_gemm, cpu_linear
+from pagedchat.engine.cpu_linear import WidenedLinear, linear_for
+
+needs_gemm = pytest.mark.skipif(not cpu_gemm.NEEDED_FLAGS <= cpu_gemm.cpu_flags(),
+                                reason="the CPU lacks AVX2, FMA or F16C")
 
 
+def within_accumulation_error(product: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                              bias: torch.Tensor | None) -> bool:
+    exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    # fp32 sums of K products: a few ulps of each product's size, whatever the order
+    scale = F.linear(x.double().abs(), weight.double().abs()) + (0 if bias is None else bias.double().abs())
+    return bool(((product.double() - exact).abs() <= 1e-6 * x.shape[1] ** 0.5 * scale + 1e-30).all())
+
+
+@needs_gemm
+def test_the_kernel_builds_where_the_cpu_has_avx2():
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    assert cpu_gemm.kernel() is not None
+
+
+@needs_gemm
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])
+@pytest.mark.parametrize("width, depth", [(259, 64), (964, 1536), (6, 520)])  # a partial block; past one scratch
+def test_the_kernel_is_the_fp32_product(dtype, rows, width, depth):
+    if cpu_gemm.kernel() is None:
+        pytest.skip("no C compiler")
+    weight = torch.randn(width, depth).to(dtype)
+    x = torch.randn(rows, depth)
+    bias = torch.randn(width) if rows % 2 else None
+    product = cpu_gemm.linear(x, weight, bias)
+    assert product.dtype == torch.float32 and product.shape == (rows, width)
+    assert within_accumulation_error(product, x, weight, bias)
+
+
+@pytest.mark.parametrize("gemm", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_product_is_the_exact_one_rounded_once(dtype, bias):
-    linear = OneDnnLinear(half_rows=2)
+def test_the_product_is_the_exact_one_rounded_once(dtype, bias, gemm):
+    if gemm and cpu_gemm.kernel() is None:
+        pytest.skip("no AVX2 kernel on this machine")
+    linear = WidenedLinear(half_rows=2, gemm=gemm)
     weight = torch.randn(300, 64, dtype=dtype)
     b = torch.randn(300, dtype=dtype) if bias else None
     x = torch.randn(5, 64, dtype=dtype)
@@ -21,17 +60,33 @@ def test_the_product_is_the_exact_one_rounded_once(dtype, bias):
     # within one rounding of the exact product (fp32: a few ulps of accumulation order)
     ulp = max(torch.finfo(dtype).eps, 1e-6) * exact.abs().clamp_min(1) * (1 if dtype != torch.float32 else 8)
     assert ((product.double() - exact).abs() <= ulp).all()
-    assert len(linear.reordered) == 1  # reordered once, kept
+    assert len(linear.onednn.reordered) == (0 if gemm else 1)  # oneDNN's copy: made once, kept
     assert torch.equal(linear(x, weight, b), product)
     two_rows = x[:2]  # too few rows to gain from fp32: torch's own product on the weight as it is
     assert torch.equal(linear(two_rows, weight, b), F.linear(two_rows, weight, b))
 
 
+def test_a_weight_the_kernel_does_not_take_goes_to_onednn():
+    linear = WidenedLinear(half_rows=0, gemm=True)
+    weight = torch.randn(40, 30)  # a depth that is no multiple of 8
+    x = torch.randn(3, 30)
+    assert within_accumulation_error(linear(x, weight), x, weight, None)
+    assert len(linear.onednn.reordered) == 1
+
+
 def test_the_matmul_follows_the_dtype_and_the_cpu(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(cpu_linear, "cpu_has_fast_bf16", lambda: False)
-    assert linear_for(torch.bfloat16, cpu).half_rows == cpu_linear.MAX_HALF_ROWS
-    assert linear_for(torch.float32, cpu).half_rows == 0
+    monkeypatch.setattr(cpu_gemm, "kernel", lambda: object())
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    bf16, fp32 = linear_for(torch.bfloat16, cpu), linear_for(torch.float32, cpu)
+    assert (bf16.half_rows, bf16.gemm) == (cpu_linear.MAX_HALF_ROWS, True)
+    assert (fp32.half_rows, fp32.gemm) == (0, True)
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx512f"}))
+    assert linear_for(torch.float32, cpu).gemm is False  # oneDNN's AVX-512 kernels
+    assert linear_for(torch.bfloat16, cpu).gemm is True
+    monkeypatch.setattr(cpu_gemm, "kernel", lambda: None)  # no compiler
+    assert linear_for(torch.bfloat16, cpu).gemm is False
     monkeypatch.setattr(cpu_linear, "cpu_has_fast_bf16", lambda: True)
     assert linear_for(torch.bfloat16, cpu) is F.linear
     assert linear_for(torch.float32, torch.device("meta")) is F.linear
