@@ -80,13 +80,14 @@ def test_the_matmul_follows_the_dtype_and_the_cpu(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "kernel", lambda: object())
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     bf16, fp32 = linear_for(torch.bfloat16, cpu), linear_for(torch.float32, cpu)
-    assert (bf16.half_rows, bf16.gemm) == (cpu_linear.MAX_HALF_ROWS, True)
+    assert (bf16.half_rows, bf16.gemm) == (1, True)
     assert (fp32.half_rows, fp32.gemm) == (0, True)
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx512f"}))
     assert linear_for(torch.float32, cpu).gemm is False  # oneDNN's AVX-512 kernels
     assert linear_for(torch.bfloat16, cpu).gemm is True
     monkeypatch.setattr(cpu_gemm, "kernel", lambda: None)  # no compiler
-    assert linear_for(torch.bfloat16, cpu).gemm is False
+    no_gemm = linear_for(torch.bfloat16, cpu)
+    assert (no_gemm.half_rows, no_gemm.gemm) == (cpu_linear.MAX_HALF_ROWS, False)
     monkeypatch.setattr(cpu_linear, "cpu_has_fast_bf16", lambda: True)
     assert linear_for(torch.bfloat16, cpu) is F.linear
     assert linear_for(torch.float32, torch.device("meta")) is F.linear
