@@ -74,13 +74,12 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T + bias, in fp32, on the weight as it is; see `supports` for what it takes."""
-    fn = kernel()
-    assert fn is not None and supports(x, weight)
+    """x [M, K] @ weight [N, K]^T + bias, in fp32, on the weight as it is; the caller checks `supports` and
+    that `kernel()` is built."""
     x = x.float().contiguous()
     bias = None if bias is None else bias.float().contiguous()
     (rows, depth), width = x.shape, weight.shape[0]
     y = torch.empty(rows, width)
-    fn(x.data_ptr(), rows, depth, weight.data_ptr(), WEIGHT_KINDS[weight.dtype], width,
+    kernel()(x.data_ptr(), rows, depth, weight.data_ptr(), WEIGHT_KINDS[weight.dtype], width,
        None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
     return y
