@@ -56,7 +56,7 @@ async def test_the_sharing_scenes_second_tab_samples_each_reply_three_times_in_b
         def notes() -> list[str]:
             return [m.source for m in pane.query(ChatMessage) if m.role == "notice"]
 
-        await wait_until(pilot, lambda: notes(), what="the first reply's samples", timeout=120)
+        await wait_until(pilot, lambda: any(notes()), what="the first reply's samples", timeout=120)  # mounted empty, then filled
         reply = pane.conversation.turns[1].text
         request = pane.conversation.request_id
         samples = [info for info in app.worker.snapshot.requests if info.request_id == request]
