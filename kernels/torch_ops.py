@@ -9,7 +9,9 @@ whatever its size, so the plan keeps the calls per layer few:
 - a lone sequence over a cached context (one chat decoding, or one prompt chunk) reads its K/V as a
   view of the cache when its blocks are consecutive (else one gather of its blocks), cut to its
   length, so no mask and no padding are needed;
-- several such sequences form one padded SDPA batch, gathered whole blocks at a time, with an explicit
+- where cpu_attention.c is built (AVX2), every sequence with a single query (a chat decoding) is attended
+  there, all in one call, reading its K/V in place through its block table: no gather, no padding;
+- several such sequences otherwise form one padded SDPA batch, gathered whole blocks at a time, with an explicit
   mask; the slots past each length that come along are zeroed, since whatever an unused slot holds
   (maybe NaN) would survive a mask: 0 * NaN = NaN.
 
@@ -18,13 +20,18 @@ are read once per KV head (SDPA's `enable_gqa` and `repeat_interleave` of K/V ar
 slower on the CPU in bf16). SDPA keeps the softmax in fp32 for half-precision inputs.
 """
 
+import ctypes
+import functools
 from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .metadata import AttentionMetadata
+
+NATIVE_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -51,7 +58,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_c
     if metadata.plan is None:
         metadata.plan = _make_plan(metadata.block_tables_host, metadata.seq_lens_host, metadata.query_lens_host,
                                    key_cache.shape[1], query.shape[1] // key_cache.shape[2], key.device,
-                                   fresh_prompts=True)
+                                   fresh_prompts=True,
+                                   in_place_decode=_decodes_in_place(query, key_cache, value_cache))
     out = query.new_empty(query.shape)
     _run(metadata.plan, query, key, value, key_cache, value_cache, scale, out)
     return out
@@ -73,7 +81,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     block_size = key_cache.shape[1]
     tables = [row[: -(-n // block_size)] for row, n in zip(block_tables.tolist(), seq_lens_host)]
     plan = _make_plan(tables, seq_lens_host, query_lens, block_size, query.shape[1] // key_cache.shape[2],
-                      query.device, fresh_prompts=False)
+                      query.device, fresh_prompts=False,
+                      in_place_decode=_decodes_in_place(query, key_cache, value_cache) and out.is_contiguous())
     _run(plan, query, None, None, key_cache, value_cache, scale, out)
     return out
 
@@ -96,6 +105,14 @@ class _Lone:
 
 
 @dataclass(slots=True, frozen=True)
+class _Decode:
+    """Sequences of one query each (query row `rows[s]`), attended in place by cpu_attention.c."""
+    rows: torch.Tensor  # [S] int64
+    block_tables: torch.Tensor  # [S, max blocks] int32, padded with 0
+    seq_lens: torch.Tensor  # [S] int32
+
+
+@dataclass(slots=True, frozen=True)
 class _Batch:
     """One padded SDPA batch: `num_seqs` sequences of up to `max_q` queries over up to `max_len` keys."""
     num_seqs: int
@@ -109,7 +126,7 @@ class _Batch:
 
 
 def _make_plan(block_tables: list[list[int]], seq_lens: list[int], query_lens: list[int], block_size: int,
-               group_size: int, device: torch.device, fresh_prompts: bool) -> list:
+               group_size: int, device: torch.device, fresh_prompts: bool, in_place_decode: bool) -> list:
     starts = [0, *accumulate(query_lens)]
     prompts, decode, chunked = [], [], []
     for s, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
@@ -121,6 +138,9 @@ def _make_plan(block_tables: list[list[int]], seq_lens: list[int], query_lens: l
     elif prompts:
         plan.append(_plan_batch(prompts, block_tables, seq_lens, query_lens, starts, block_size, group_size,
                                 device, causal=True))
+    if decode and in_place_decode:
+        plan.append(_plan_decode(decode, block_tables, seq_lens, starts, block_size, device))
+        decode = []
     if len(decode) + len(chunked) == 1:
         s = (decode + chunked)[0]
         plan.append(_plan_lone(block_tables[s], seq_lens[s], starts[s], starts[s + 1], block_size, group_size,
@@ -131,6 +151,14 @@ def _make_plan(block_tables: list[list[int]], seq_lens: list[int], query_lens: l
                 plan.append(_plan_batch(group, block_tables, seq_lens, query_lens, starts, block_size,
                                         group_size, device, causal=False))
     return plan
+
+
+def _plan_decode(seqs: list[int], block_tables, seq_lens, starts, block_size: int, device: torch.device) -> _Decode:
+    tables = [block_tables[s][: -(-seq_lens[s] // block_size)] for s in seqs]
+    width = max(map(len, tables))
+    return _Decode(torch.tensor([starts[s] for s in seqs], dtype=torch.long, device=device),
+                   torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+                   torch.tensor([seq_lens[s] for s in seqs], dtype=torch.int32, device=device))
 
 
 def _plan_lone(table: list[int], seq_len: int, start: int, end: int, block_size: int, group_size: int,
@@ -181,6 +209,8 @@ def _run(plan: list, query, key, value, key_cache, value_cache, scale, out) -> N
             _attend_prompt(part, query, key, value, scale, out)
         elif isinstance(part, _Lone):
             _attend_lone(part, query, key_cache, value_cache, scale, out)
+        elif isinstance(part, _Decode):
+            _attend_decode(part, query, key_cache, value_cache, scale, out)
         else:
             _attend_batch(part, query, key_cache, value_cache, scale, out)
 
@@ -209,6 +239,31 @@ def _attend_lone(part: _Lone, query, key_cache, value_cache, scale, out) -> None
     o = F.scaled_dot_product_attention(q, context(key_cache), context(value_cache), attn_mask=part.mask,
                                        scale=scale)
     out[part.start:part.end] = o.view(num_kv_heads, q_len, group_size, head_dim).transpose(0, 1).flatten(1, 2)
+
+
+@functools.cache
+def _native_decode() -> ctypes._CFuncPtr | None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    return native.avx2_function("cpu_attention.c", "pagedchat_decode_attention",
+                                [p, i64, p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_float,
+                                 p, i64, ctypes.c_int])
+
+
+def _decodes_in_place(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether cpu_attention.c takes these: built, on the CPU, one dtype it knows, heads of D contiguous."""
+    head_dim = query.shape[2]
+    return (_native_decode() is not None and query.device.type == "cpu" and query.dtype in NATIVE_KINDS
+            and query.dtype == key_cache.dtype == value_cache.dtype and query.stride()[1:] == (head_dim, 1)
+            and head_dim % 8 == 0 and key_cache.is_contiguous() and value_cache.is_contiguous())
+
+
+def _attend_decode(part: _Decode, query, key_cache, value_cache, scale, out) -> None:
+    num_q_heads, head_dim = query.shape[1:]
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    _native_decode()(query.data_ptr(), query.stride(0), part.rows.data_ptr(), key_cache.data_ptr(),
+                     value_cache.data_ptr(), part.block_tables.data_ptr(), part.block_tables.shape[1],
+                     part.seq_lens.data_ptr(), len(part.rows), num_q_heads, num_kv_heads, head_dim, block_size,
+                     NATIVE_KINDS[query.dtype], scale, out.data_ptr(), out.stride(0), torch.get_num_threads())
 
 
 def _attend_batch(plan: _Batch, query, key_cache, value_cache, scale, out) -> None:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from pagedchat.engine import cpu_gemm, cpu_linear
 from pagedchat.engine.cpu_linear import WidenedLinear, linear_for
+from pagedchat.engine.layer_ops import TORCH_OPS, LayerOps, rms_norm
 
 needs_gemm = pytest.mark.skipif(not cpu_gemm.NEEDED_FLAGS <= cpu_gemm.cpu_flags(),
                                 reason="the CPU lacks AVX2, FMA or F16C")
@@ -64,6 +65,42 @@ def test_the_product_is_the_exact_one_rounded_once(dtype, bias, gemm):
     assert torch.equal(linear(x, weight, b), product)
     two_rows = x[:2]  # too few rows to gain from fp32: torch's own product on the weight as it is
     assert torch.equal(linear(two_rows, weight, b), F.linear(two_rows, weight, b))
+
+
+@needs_gemm
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_the_fused_ops_are_torch_ops_around_the_exact_product(dtype, rows):
+    """cpu_gemm's norm before, silu(gate) * up before and residual add after the product, against torch's ops
+    around a float64 product: within a rounding or two of the output and of each input (the fp32 sums of
+    a norm may round an input the other way)."""
+    if cpu_gemm.kernel() is None:
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(rows)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    depth, width = 264, 100
+    x, gate_up, residual = randn(rows, depth, scale=3), randn(rows, 2 * depth, scale=2), randn(rows, width)
+    norm_weight, weight, bias = 1 + randn(depth, scale=0.1), randn(width, depth, scale=0.1), randn(width)
+    ops = LayerOps(WidenedLinear(half_rows=0, gemm=True))
+
+    def close(fused, inputs, plus):
+        exact = plus.double() + F.linear(inputs.double(), weight.double(), bias.double())
+        scale = F.linear(inputs.double().abs(), weight.double().abs()) + plus.double().abs() + bias.double().abs()
+        eps = max(torch.finfo(dtype).eps, 1e-6)
+        return fused.dtype == dtype and bool(((fused.double() - exact).abs() <= 2 * eps * scale).all())
+
+    gate, up = gate_up.chunk(2, dim=-1)
+    no_residual = torch.zeros(rows, width, dtype=dtype)
+    assert close(ops.norm_matmul(x, norm_weight, 1e-6, weight, bias), rms_norm(x, norm_weight, 1e-6), no_residual)
+    assert close(ops.silu_matmul(gate_up, weight, bias, residual), F.silu(gate) * up, residual)
+    assert close(ops.matmul(x, weight, bias, residual), x, residual)
+    assert not close(ops.norm_matmul(x, norm_weight, 1e-6, weight, bias), x, no_residual)  # the norm is done
+    unfused = LayerOps(WidenedLinear(half_rows=rows, gemm=True))  # too few rows: torch's ops, as they are
+    assert torch.equal(unfused.silu_matmul(gate_up, weight, bias, residual),
+                       TORCH_OPS.silu_matmul(gate_up, weight, bias, residual))
 
 
 def test_a_weight_the_kernel_does_not_take_goes_to_onednn():

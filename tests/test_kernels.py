@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from pagedchat import kernels
-from pagedchat.kernels import AttentionMetadata, torch_ops, triton_ops
+from pagedchat.kernels import AttentionMetadata, native, torch_ops, triton_ops
 
 IMPLEMENTATIONS = {"torch": torch_ops, "triton": triton_ops}
+needs_avx2 = pytest.mark.skipif(not native.AVX2_CPU_FLAGS <= native.cpu_flags(), reason="cpu_attention.c needs AVX2")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 HEADS = {"mha": (2, 2), "gqa3": (9, 3), "gqa4": (8, 2)}  # (Hq, Hkv): group sizes 1, 3, 4
@@ -184,8 +185,8 @@ def test_attention_of_a_step(impl, seqs):
         assert relative_error(out, expected) <= 1e-5
 
 
-def test_lone_sequence_on_consecutive_blocks_reads_the_cache_in_place():
-    batch = make_batch([(100, 1)], 64, 16, torch.float32, 4, 2, seed=4)
+def test_lone_chunk_on_consecutive_blocks_reads_the_cache_in_place():
+    batch = make_batch([(100, 5)], 64, 16, torch.float32, 4, 2, seed=4)
     batch["block_tables"][0, :7] = torch.arange(2, 9)  # blocks 2..8, in order
     key_cache, value_cache = batch["key_cache"], batch["value_cache"]
     for cache in (key_cache, value_cache):
@@ -196,6 +197,23 @@ def test_lone_sequence_on_consecutive_blocks_reads_the_cache_in_place():
     out = torch_ops.attention(batch["query"], key, value, key_cache, value_cache, metadata, batch["scale"])
     assert isinstance(metadata.plan[0].blocks, slice)
     assert relative_error(out, expected) <= 1e-5
+
+
+@needs_avx2
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decoding_sequences_are_attended_in_place_through_their_tables(dtype):
+    """cpu_attention.c: every single-query sequence of a step in one call, beside a prompt and a chunk, over
+    shuffled blocks whose slots past each length hold NaN, with 1, 3 and 4 query heads per KV head."""
+    for heads, kv_heads in ((4, 4), (9, 3), (8, 2)):
+        seqs = [(1, 1), (33, 1), (12, 12), (70, 6), (200, 1), (17, 1)]
+        batch = make_batch(seqs, 64, 16, dtype, heads, kv_heads, seed=heads)
+        expected = reference_attention(**batch)
+        key, value, metadata = step_inputs(batch)
+        out = torch_ops.attention(batch["query"], key, value, batch["key_cache"], batch["value_cache"], metadata,
+                                  batch["scale"])
+        decodes = [part for part in metadata.plan if type(part).__name__ == "_Decode"]
+        assert len(decodes) == 1 and decodes[0].rows.tolist() == [1, 20, 21]
+        assert out.dtype == dtype and relative_error(out, expected) <= TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

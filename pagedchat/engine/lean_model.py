@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedchat.engine.cpu_linear import Linear, linear_for
+from pagedchat.engine.cpu_linear import linear_for
+from pagedchat.engine.layer_ops import TORCH_OPS, LayerOps, rms_norm
 from pagedchat.kernels import AttentionMetadata, torch_ops
 
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -57,12 +58,11 @@ class LeanModel:
         self.head_dim = attn.head_dim
         self.scale = attn.scaling
         self.eps = config.rms_norm_eps
-        self.intermediate = config.intermediate_size
         self.embed = base.embed_tokens.weight
         self.final_norm = base.norm.weight
         self.lm_head = model.lm_head.weight
         self.layers = [_fuse_layer(layer) for layer in base.layers]
-        self.linear: Linear = linear_for(self.embed.dtype, self.embed.device)
+        self.ops = LayerOps(linear_for(self.embed.dtype, self.embed.device))
         positions = torch.arange(max_positions, device=self.embed.device)[None]
         cos, sin = base.rotary_emb(self.embed[:1], positions)  # [1, P, D] in the model's dtype
         half = self.head_dim // 2
@@ -78,10 +78,10 @@ class LeanModel:
         cos, sin = self.cos[positions], self.sin_signed[positions]
         residual = F.embedding(input_ids, self.embed)
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
-            q, k, v = self.attention_inputs(residual, cos, sin, layer, self.linear)
+            q, k, v = self.attention_inputs(residual, cos, sin, layer, self.ops)
             o = attention_ops.attention(q, k, v, key_cache, value_cache, metadata, self.scale)
-            residual = self.mlp(o, residual, layer, self.linear)
-        return self.logits(residual.index_select(0, sample_rows), self.linear)
+            residual = self.mlp(o, residual, layer, self.ops)
+        return self.logits(residual.index_select(0, sample_rows), self.ops)
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -92,21 +92,20 @@ class LeanModel:
         cos, sin = self.cos[positions], self.sin_signed[positions]
         residual = F.embedding(input_ids, self.embed)
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
-            q, k, v = self.attention_inputs(residual, cos, sin, layer, F.linear)
+            q, k, v = self.attention_inputs(residual, cos, sin, layer, TORCH_OPS)
             o = torch_ops.decode_attention(q, k, v, key_cache, value_cache, slot_mapping, block_tables, seq_lens,
                                            self.scale)
-            residual = self.mlp(o, residual, layer, F.linear)
-        return self.logits(residual, F.linear)
+            residual = self.mlp(o, residual, layer, TORCH_OPS)
+        return self.logits(residual, TORCH_OPS)
 
-    def logits(self, residual: torch.Tensor, linear: Linear) -> torch.Tensor:
-        return linear(rms_norm(residual, self.final_norm, self.eps), self.lm_head, None)
+    def logits(self, residual: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return ops.norm_matmul(residual, self.final_norm, self.eps, self.lm_head, None)
 
     def attention_inputs(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: LeanLayer,
-                         linear: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, Hq, D] and k [T, Hkv, D] rotated, v [T, Hkv, D], from the residual stream entering a layer."""
         num_tokens, heads, dim = residual.shape[0], self.num_heads, self.head_dim
-        x = rms_norm(residual, layer.input_norm, self.eps)
-        qkv = linear(x, layer.qkv, layer.qkv_bias)
+        qkv = ops.norm_matmul(residual, layer.input_norm, self.eps, layer.qkv, layer.qkv_bias)
         qk = qkv[:, : (heads + self.num_kv_heads) * dim].view(num_tokens, -1, dim)
         v = qkv[:, (heads + self.num_kv_heads) * dim:].view(num_tokens, self.num_kv_heads, dim)
         if layer.q_norm is not None:
@@ -115,21 +114,12 @@ class LeanModel:
         qk = qk * cos[:, None] + qk.roll(dim // 2, dims=-1) * sin[:, None]
         return qk[:, :heads], qk[:, heads:], v
 
-    def mlp(self, attention_out: torch.Tensor, residual: torch.Tensor, layer: LeanLayer, linear: Linear
+    def mlp(self, attention_out: torch.Tensor, residual: torch.Tensor, layer: LeanLayer, ops: LayerOps
             ) -> torch.Tensor:
         """The residual stream leaving a layer: + o_proj(attention), then + the MLP of its norm."""
-        residual = residual + linear(attention_out.flatten(1), layer.o_proj, layer.o_bias)
-        x = rms_norm(residual, layer.post_norm, self.eps)
-        gate_up = linear(x, layer.gate_up, layer.gate_up_bias)
-        x = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate:]
-        return residual + linear(x, layer.down, layer.down_bias)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm, op for op: in fp32, rounded to x's dtype before the weight."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+        residual = ops.matmul(attention_out.flatten(1), layer.o_proj, layer.o_bias, residual)
+        gate_up = ops.norm_matmul(residual, layer.post_norm, self.eps, layer.gate_up, layer.gate_up_bias)
+        return ops.silu_matmul(gate_up, layer.down, layer.down_bias, residual)
 
 
 def _fuse_layer(layer: nn.Module) -> LeanLayer:

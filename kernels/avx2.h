@@ -1,0 +1,50 @@
+/* What the AVX2 kernels share: loading 8 values of a dtype as fp32, rounding back as torch rounds, sums. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { KIND_BF16 = 0, KIND_FP16 = 1, KIND_FP32 = 2 };
+
+static inline __m256 load8(const void *p, int64_t i, int kind) {
+    if (kind == KIND_BF16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    if (kind == KIND_FP16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+static inline float widen(const void *p, int64_t i, int kind) {
+    if (kind == KIND_FP32) return ((const float *)p)[i];
+    uint16_t h = ((const uint16_t *)p)[i];
+    if (kind == KIND_FP16) return _cvtsh_ss(h);
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t to_half(float f, int kind) {  /* to nearest even, as torch rounds */
+    if (kind == KIND_FP16) return _cvtss_sh(f, 0);
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return 0x7fc0;
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+static inline void store(void *p, int64_t i, float f, int kind) {
+    if (kind == KIND_FP32) ((float *)p)[i] = f;
+    else ((uint16_t *)p)[i] = to_half(f, kind);
+}
+
+static inline float rounded(float f, int kind) {  /* f as a tensor of this kind holds it */
+    if (kind == KIND_FP32) return f;
+    uint16_t h = to_half(f, kind);
+    return widen(&h, 0, kind);
+}
+
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}

@@ -1,0 +1,149 @@
+/* out [M, N] = x [M, K] @ w [N, K]^T (+ bias) (+ residual), multiplied in fp32 on the weight as the model holds
+ * it (bf16, fp16 or fp32) and rounded once to x's dtype, as a product in that dtype rounds its accumulator.
+ *
+ * For CPUs with AVX2 and FMA but no bf16 instructions, where torch either emulates a half-precision product
+ * (slow past a row or two) or needs an fp32 copy of every weight for oneDNN (twice the bytes to stream each
+ * step, and twice the memory). Here each block of 4 weight rows is widened once into an L1-resident fp32
+ * scratch, then dotted with the x rows 3 at a time (12 accumulators, all in registers); the rows of w are
+ * split between the OpenMP threads, which are torch's own (the same libgomp), as many as the caller says.
+ *
+ * The ops on either side of a layer's matmuls come along, so that a step makes a few calls a layer, not
+ * dozens of small torch ops (each costs its fixed microseconds whatever its size): x may first go through
+ * transformers' RMSNorm (PRE_RMS_NORM) or be [gate | up] of width 2K for silu(gate) * up (PRE_SILU_MUL),
+ * each rounded to x's dtype where torch's ops round; and the residual stream may be added to the product.
+ * K must be a multiple of 8; any M and N.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "avx2.h"
+
+enum { PRE_NONE = 0, PRE_RMS_NORM = 1, PRE_SILU_MUL = 2 };
+#define NR 4    /* weight rows per block */
+#define MR 3    /* x rows per pass over a block */
+#define KC 512  /* the depth of a block's scratch */
+
+/* e^x for 8 floats, Cephes' polynomial (within 2 ulp), as torch vectorises its exp */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
+}
+
+static inline __m128 sum8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* y[m, 0:4] += x[m, 0:kl] . scratch rows 0..3, for the `rows` (<= MR) rows of x from here */
+static inline __attribute__((always_inline)) void block_pass(const float *x, int64_t ldx, const float *scratch,
+                                                             int64_t kl, float *y, int64_t ldy, int rows) {
+    __m256 acc[MR][NR];
+    for (int m = 0; m < rows; m++)
+        for (int i = 0; i < NR; i++) acc[m][i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < kl; k += 8) {
+        __m256 w0 = _mm256_load_ps(scratch + k), w1 = _mm256_load_ps(scratch + KC + k);
+        __m256 w2 = _mm256_load_ps(scratch + 2 * KC + k), w3 = _mm256_load_ps(scratch + 3 * KC + k);
+        for (int m = 0; m < rows; m++) {
+            __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
+            acc[m][0] = _mm256_fmadd_ps(w0, xv, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(w1, xv, acc[m][1]);
+            acc[m][2] = _mm256_fmadd_ps(w2, xv, acc[m][2]);
+            acc[m][3] = _mm256_fmadd_ps(w3, xv, acc[m][3]);
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        __m128 s = sum8x4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+        _mm_storeu_ps(y + m * ldy, _mm_add_ps(_mm_loadu_ps(y + m * ldy), s));
+    }
+}
+
+static void weight_block(const float *x, int64_t M, int64_t K, const void *w, int kind, int64_t n0,
+                         float *y, int64_t N) {
+    float scratch[NR * KC] __attribute__((aligned(32)));
+    for (int64_t kc = 0; kc < K; kc += KC) {
+        int64_t kl = K - kc < KC ? K - kc : KC;
+        for (int i = 0; i < NR; i++)
+            for (int64_t k = 0; k < kl; k += 8)
+                _mm256_store_ps(scratch + i * KC + k, load8(w, (n0 + i) * K + kc + k, kind));
+        int64_t m = 0;
+        for (; m + MR <= M; m += MR) block_pass(x + m * K + kc, K, scratch, kl, y + m * N + n0, N, MR);
+        if (M - m == 2) block_pass(x + m * K + kc, K, scratch, kl, y + m * N + n0, N, 2);
+        if (M - m == 1) block_pass(x + m * K + kc, K, scratch, kl, y + m * N + n0, N, 1);
+    }
+}
+
+/* x as the product's fp32 input [M, K], after its pre-op, rounded where torch's ops round */
+static void prepare_input(const void *x, int kind, int64_t M, int64_t K, int pre, const void *norm_weight,
+                          float eps, float *xs, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        float *row = xs + m * K;
+        if (pre == PRE_SILU_MUL) {
+            for (int64_t k = 0; k < K; k += 8) {
+                __m256 g = load8(x, m * 2 * K + k, kind);
+                _mm256_storeu_ps(row + k, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f),
+                                                                          exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)))));
+            }
+            for (int64_t k = 0; k < K; k++) row[k] = rounded(rounded(row[k], kind) * widen(x, m * 2 * K + K + k, kind), kind);
+            continue;
+        }
+        for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(row + k, load8(x, m * K + k, kind));
+        if (pre == PRE_RMS_NORM) {
+            __m256 squares = _mm256_setzero_ps();
+            for (int64_t k = 0; k < K; k += 8) {
+                __m256 v = _mm256_loadu_ps(row + k);
+                squares = _mm256_fmadd_ps(v, v, squares);
+            }
+            float inverse = 1.0f / sqrtf(sum8(squares) / (float)K + eps);
+            for (int64_t k = 0; k < K; k++) row[k] = rounded(widen(norm_weight, k, kind) * rounded(row[k] * inverse, kind), kind);
+        }
+    }
+}
+
+static void weight_row(const float *x, int64_t M, int64_t K, const void *w, int kind, int64_t n, float *y,
+                       int64_t N) {
+    for (int64_t m = 0; m < M; m++) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k += 8)
+            acc = _mm256_fmadd_ps(load8(w, n * K + k, kind), _mm256_loadu_ps(x + m * K + k), acc);
+        y[m * N + n] += sum8(acc);
+    }
+}
+
+void pagedchat_linear(const void *x, int kind, int64_t M, int64_t K, int pre, const void *norm_weight, float eps,
+                      const void *w, int w_kind, int64_t N, const float *bias, const void *residual, void *out,
+                      int threads) {
+    float *xs = malloc(sizeof(float) * M * K);
+    float *y = kind == KIND_FP32 ? out : malloc(sizeof(float) * M * N);
+    prepare_input(x, kind, M, K, pre, norm_weight, eps, xs, threads);
+    int64_t blocks = N / NR;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b <= blocks; b++) {
+        int64_t n0 = b * NR, n1 = b < blocks ? n0 + NR : N;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = n0; n < n1; n++) y[m * N + n] = bias ? bias[n] : 0.0f;
+        if (b < blocks)
+            weight_block(xs, M, K, w, w_kind, n0, y, N);
+        else
+            for (int64_t n = n0; n < n1; n++) weight_row(xs, M, K, w, w_kind, n, y, N);
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = n0; n < n1; n++) {
+                float v = y[m * N + n];
+                if (residual) v = widen(residual, m * N + n, kind) + rounded(v, kind);
+                store(out, m * N + n, v, kind);
+            }
+    }
+    free(xs);
+    if (y != out) free(y);
+}

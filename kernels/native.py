@@ -1,0 +1,74 @@
+"""C kernels for the CPU, built with the machine's C compiler at their first use and kept in the user cache
+folder (one build per source and flags, ~1 s), called through ctypes (which lets go of the GIL meanwhile)."""
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import platformdirs
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+HEADERS = ["avx2.h"]
+AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+AVX2_CPU_FLAGS = {"avx2", "fma", "f16c"}
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: no flags known, so only the safe choices
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def avx2_function(name: str, symbol: str, argtypes: list) -> ctypes._CFuncPtr | None:
+    """`symbol` (returning void) of `avx2_library(name)`, or None where that is None."""
+    library = avx2_library(name)
+    if library is None:
+        return None
+    fn = getattr(library, symbol)
+    fn.argtypes = argtypes
+    fn.restype = None
+    return fn
+
+
+@functools.cache
+def avx2_library(name: str) -> ctypes.CDLL | None:
+    """The AVX2 library built from this folder's C file `name`; None where the CPU lacks AVX2/FMA/F16C or it
+    cannot be built."""
+    if not AVX2_CPU_FLAGS <= cpu_flags():
+        return None
+    try:
+        return ctypes.CDLL(str(_built(HERE / name, AVX2_FLAGS)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", None) or exc
+        log.warning("%s could not be built (%s); torch's own ops stand in", name, detail)
+        return None
+
+
+def _built(source: Path, flags: list[str]) -> Path:
+    text = source.read_bytes() + b"".join((HERE / header).read_bytes() for header in HEADERS)
+    digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
+    folder = platformdirs.user_cache_path("pagedchat", appauthor=False) / "native"
+    path = folder / f"{source.stem}-{digest}.so"
+    if not path.exists():
+        compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+        if compiler is None:
+            raise OSError("no C compiler (cc or gcc) on PATH")
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:  # built aside, then moved: another process may load it
+            built = Path(tmp) / path.name
+            subprocess.run([compiler, *flags, str(source), "-o", str(built)], check=True, capture_output=True,
+                           text=True)
+            os.replace(built, path)
+    return path
