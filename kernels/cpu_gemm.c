@@ -76,11 +76,33 @@ static void weight_block(const float *x, int64_t M, int64_t K, const void *w, in
         for (int i = 0; i < NR; i++)
             for (int64_t k = 0; k < kl; k += 8)
                 _mm256_store_ps(scratch + i * KC + k, load8(w, (n0 + i) * K + kc + k, kind));
-        int64_t m = 0;
-        for (; m + MR <= M; m += MR) block_pass(x + m * K + kc, K, scratch, kl, y + m * N + n0, N, MR);
-        if (M - m == 2) block_pass(x + m * K + kc, K, scratch, kl, y + m * N + n0, N, 2);
-        if (M - m == 1) block_pass(x + m * K + kc, K, scratch, kl, y + m * N + n0, N, 1);
+        /* passes of 3 rows, the last ones of 2 rather than a lone row (4 accumulators wait on each other) */
+        int64_t m = 0, threes = M % MR == 1 && M > 1 ? M - 4 : M - M % MR;
+        for (; m < threes; m += MR) block_pass(x + m * K + kc, K, scratch, kl, y + m * N + n0, N, MR);
+        for (; m + 2 <= M; m += 2) block_pass(x + m * K + kc, K, scratch, kl, y + m * N + n0, N, 2);
+        if (m < M) block_pass(x + m * K + kc, K, scratch, kl, y + m * N + n0, N, 1);
     }
+}
+
+/* y[0, n0:n0 + 4] += x . w rows n0..n0 + 3, for one row of x: streamed from memory, no scratch (each weight
+ * is used once), 8 accumulators */
+static void weight_block_one_row(const float *x, int64_t K, const void *w, int kind, int64_t n0, float *y) {
+    __m256 acc[NR][2];
+    for (int i = 0; i < NR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        for (int i = 0; i < NR; i++) {
+            acc[i][0] = _mm256_fmadd_ps(load8(w, (n0 + i) * K + k, kind), x0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(load8(w, (n0 + i) * K + k + 8, kind), x1, acc[i][1]);
+        }
+    }
+    if (k < K)
+        for (int i = 0; i < NR; i++)
+            acc[i][0] = _mm256_fmadd_ps(load8(w, (n0 + i) * K + k, kind), _mm256_loadu_ps(x + k), acc[i][0]);
+    __m128 s = sum8x4(_mm256_add_ps(acc[0][0], acc[0][1]), _mm256_add_ps(acc[1][0], acc[1][1]),
+                      _mm256_add_ps(acc[2][0], acc[2][1]), _mm256_add_ps(acc[3][0], acc[3][1]));
+    _mm_storeu_ps(y + n0, _mm_add_ps(_mm_loadu_ps(y + n0), s));
 }
 
 /* x as the product's fp32 input [M, K], after its pre-op, rounded where torch's ops round */
@@ -133,7 +155,9 @@ void pagedchat_linear(const void *x, int kind, int64_t M, int64_t K, int pre, co
         int64_t n0 = b * NR, n1 = b < blocks ? n0 + NR : N;
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = n0; n < n1; n++) y[m * N + n] = bias ? bias[n] : 0.0f;
-        if (b < blocks)
+        if (b < blocks && M == 1)
+            weight_block_one_row(xs, K, w, w_kind, n0, y);
+        else if (b < blocks)
             weight_block(xs, M, K, w, w_kind, n0, y, N);
         else
             for (int64_t n = n0; n < n1; n++) weight_row(xs, M, K, w, w_kind, n, y, N);
