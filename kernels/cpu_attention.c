@@ -9,6 +9,70 @@
 
 #include "avx2.h"
 
+/* scores[l] = q . key l, for the keys at offsets `at` of the cache, 4 keys at a time (4 sums in flight) */
+static void head_scores(const float *q, const void *cache, int kind, const int64_t *at, int64_t len,
+                        int64_t head_dim, float *scores) {
+    int64_t l = 0;
+    for (; l + 4 <= len; l += 4) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t d = 0; d < head_dim; d += 8) {
+            __m256 qv = _mm256_loadu_ps(q + d);
+            a0 = _mm256_fmadd_ps(load8(cache, at[l] + d, kind), qv, a0);
+            a1 = _mm256_fmadd_ps(load8(cache, at[l + 1] + d, kind), qv, a1);
+            a2 = _mm256_fmadd_ps(load8(cache, at[l + 2] + d, kind), qv, a2);
+            a3 = _mm256_fmadd_ps(load8(cache, at[l + 3] + d, kind), qv, a3);
+        }
+        _mm_storeu_ps(scores + l, sum8x4(a0, a1, a2, a3));
+    }
+    for (; l < len; l++) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d += 8)
+            a = _mm256_fmadd_ps(load8(cache, at[l] + d, kind), _mm256_loadu_ps(q + d), a);
+        scores[l] = sum8(a);
+    }
+}
+
+/* scores become e^(score - max); returns their sum */
+static float exponentiate(float *scores, int64_t len) {
+    float top = scores[0], total = 0.0f;
+    for (int64_t l = 1; l < len; l++) top = scores[l] > top ? scores[l] : top;
+    __m256 sums = _mm256_setzero_ps();
+    int64_t l = 0;
+    for (; l + 8 <= len; l += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + l), _mm256_set1_ps(top)));
+        _mm256_storeu_ps(scores + l, e);
+        sums = _mm256_add_ps(sums, e);
+    }
+    for (; l < len; l++) total += scores[l] = expf(scores[l] - top);
+    return total + sum8(sums);
+}
+
+/* o[d] = sum over l of p[l] * value l [d], 4 vectors of d (or 1 at the end) over 2 values at a time */
+static void head_values(const float *p, const void *cache, int kind, const int64_t *at, int64_t len,
+                        int64_t head_dim, float *o) {
+    int64_t d = 0;
+    for (; d + 32 <= head_dim; d += 32) {
+        __m256 a[4], b[4];
+        for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
+        int64_t l = 0;
+        for (; l + 2 <= len; l += 2) {
+            __m256 p0 = _mm256_set1_ps(p[l]), p1 = _mm256_set1_ps(p[l + 1]);
+            for (int i = 0; i < 4; i++) {
+                a[i] = _mm256_fmadd_ps(p0, load8(cache, at[l] + d + 8 * i, kind), a[i]);
+                b[i] = _mm256_fmadd_ps(p1, load8(cache, at[l + 1] + d + 8 * i, kind), b[i]);
+            }
+        }
+        if (l < len)
+            for (int i = 0; i < 4; i++) a[i] = _mm256_fmadd_ps(_mm256_set1_ps(p[l]), load8(cache, at[l] + d + 8 * i, kind), a[i]);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + d + 8 * i, _mm256_add_ps(a[i], b[i]));
+    }
+    for (; d < head_dim; d += 8) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t l = 0; l < len; l++) a = _mm256_fmadd_ps(_mm256_set1_ps(p[l]), load8(cache, at[l] + d, kind), a);
+        _mm256_storeu_ps(o + d, a);
+    }
+}
+
 /* query [S] rows at query + rows[s] * q_stride (Hq heads of D); out likewise at out + rows[s] * out_stride;
  * caches [blocks, block_size, Hkv, D]; block_tables [S, table_width] */
 void pagedchat_decode_attention(const void *query, int64_t q_stride, const int64_t *rows, const void *key_cache,
@@ -16,48 +80,26 @@ void pagedchat_decode_attention(const void *query, int64_t q_stride, const int64
                                 const int32_t *seq_lens, int64_t num_seqs, int64_t num_q_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int kind, float scale,
                                 void *out, int64_t out_stride, int threads) {
-    const int64_t group = num_q_heads / num_kv_heads, vecs = head_dim / 8;
+    const int64_t group = num_q_heads / num_kv_heads;
     #pragma omp parallel for num_threads(threads) schedule(dynamic)
     for (int64_t task = 0; task < num_seqs * num_kv_heads; task++) {
         const int64_t s = task / num_kv_heads, h = task % num_kv_heads, len = seq_lens[s];
         const int32_t *table = block_tables + s * table_width;
-        float *q = malloc(sizeof(float) * (group * (len + 2 * head_dim)));
-        float *acc = q + group * head_dim, *scores = acc + group * head_dim;
-        for (int64_t g = 0; g < group; g++)
-            for (int64_t v = 0; v < vecs; v++)
-                _mm256_storeu_ps(q + g * head_dim + 8 * v,
-                                 _mm256_mul_ps(_mm256_set1_ps(scale),
-                                               load8(query, rows[s] * q_stride + (h * group + g) * head_dim + 8 * v, kind)));
-        for (int64_t l = 0; l < len; l++) {
-            const int64_t at = ((int64_t)table[l / block_size] * block_size + l % block_size) * num_kv_heads + h;
-            for (int64_t g = 0; g < group; g++) {
-                __m256 dot = _mm256_setzero_ps();
-                for (int64_t v = 0; v < vecs; v++)
-                    dot = _mm256_fmadd_ps(load8(key_cache, at * head_dim + 8 * v, kind),
-                                          _mm256_loadu_ps(q + g * head_dim + 8 * v), dot);
-                scores[g * len + l] = sum8(dot);
-            }
-        }
+        int64_t *at = malloc(sizeof(int64_t) * len);
+        float *q = malloc(sizeof(float) * (2 * head_dim + len)), *o = q + head_dim, *scores = o + head_dim;
+        for (int64_t l = 0; l < len; l++)
+            at[l] = (((int64_t)table[l / block_size] * block_size + l % block_size) * num_kv_heads + h) * head_dim;
         for (int64_t g = 0; g < group; g++) {
-            float *row = scores + g * len, top = row[0], total = 0.0f;
-            for (int64_t l = 1; l < len; l++) top = row[l] > top ? row[l] : top;
-            for (int64_t l = 0; l < len; l++) total += row[l] = expf(row[l] - top);
-            for (int64_t l = 0; l < len; l++) row[l] /= total;
+            const int64_t head = rows[s] * q_stride + (h * group + g) * head_dim;
+            for (int64_t d = 0; d < head_dim; d += 8)
+                _mm256_storeu_ps(q + d, _mm256_mul_ps(_mm256_set1_ps(scale), load8(query, head + d, kind)));
+            head_scores(q, key_cache, kind, at, len, head_dim, scores);
+            float total = exponentiate(scores, len);
+            head_values(scores, value_cache, kind, at, len, head_dim, o);
+            const int64_t to = rows[s] * out_stride + (h * group + g) * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) store(out, to + d, o[d] / total, kind);
         }
-        memset(acc, 0, sizeof(float) * group * head_dim);
-        for (int64_t l = 0; l < len; l++) {
-            const int64_t at = ((int64_t)table[l / block_size] * block_size + l % block_size) * num_kv_heads + h;
-            for (int64_t v = 0; v < vecs; v++) {
-                __m256 value = load8(value_cache, at * head_dim + 8 * v, kind);
-                for (int64_t g = 0; g < group; g++) {
-                    float *a = acc + g * head_dim + 8 * v;
-                    _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * len + l]), value, _mm256_loadu_ps(a)));
-                }
-            }
-        }
-        for (int64_t g = 0; g < group; g++)
-            for (int64_t d = 0; d < head_dim; d++)
-                store(out, rows[s] * out_stride + (h * group + g) * head_dim + d, acc[g * head_dim + d], kind);
+        free(at);
         free(q);
     }
 }
