@@ -49,11 +49,17 @@ static inline __attribute__((always_inline)) void block_pass(const float *x, int
 static void weight_block(const float *x, int64_t M, int64_t K, const void *w, int kind, int64_t n0,
                          float *y, int64_t N) {
     float scratch[NR * KC] __attribute__((aligned(32)));
+    const int64_t size = kind == KIND_FP32 ? 4 : 2;
     for (int64_t kc = 0; kc < K; kc += KC) {
         int64_t kl = K - kc < KC ? K - kc : KC;
         for (int i = 0; i < NR; i++)
             for (int64_t k = 0; k < kl; k += 8)
                 _mm256_store_ps(scratch + i * KC + k, load8(w, (n0 + i) * K + kc + k, kind));
+        /* the next block's slab comes from memory while this one is multiplied (past the end, a prefetch
+         * never faults) */
+        for (int i = 0; i < NR; i++)
+            for (int64_t b = 0; b < kl * size; b += 64)
+                _mm_prefetch((const char *)w + ((n0 + NR + i) * K + kc) * size + b, _MM_HINT_T0);
         /* passes of 3 rows, the last ones of 2 rather than a lone row (4 accumulators wait on each other) */
         int64_t m = 0, threes = M % MR == 1 && M > 1 ? M - 4 : M - M % MR;
         for (; m < threes; m += MR) block_pass(x + m * K + kc, K, scratch, kl, y + m * N + n0, N, MR);
