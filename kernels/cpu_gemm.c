@@ -10,7 +10,8 @@
  * The ops on either side of a layer's matmuls come along, so that a step makes a few calls a layer, not
  * dozens of small torch ops (each costs its fixed microseconds whatever its size): x may first go through
  * transformers' RMSNorm (PRE_RMS_NORM) or be [gate | up] of width 2K for silu(gate) * up (PRE_SILU_MUL),
- * each rounded to x's dtype where torch's ops round; and the residual stream may be added to the product.
+ * each rounded to x's dtype where torch's ops round; and the residual stream may be added to the product,
+ * or its first heads (q and k) rotated by their positions' rows of the rotary tables.
  * K must be a multiple of 8; any M and N.
  */
 #include <math.h>
@@ -127,8 +128,29 @@ static void weight_row(const float *x, int64_t M, int64_t K, const void *w, int 
     }
 }
 
+/* the first `heads` heads of D of each output row rotated by its row of the rotary tables cos and sin_signed
+ * [M, D]: x * cos + roll(x, D / 2) * sin_signed, each product and the sum rounded as torch's ops round */
+static void rotate(void *out, int kind, int64_t M, int64_t N, const void *cos, const void *sin_signed,
+                   int64_t heads, int64_t head_dim, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        float head[head_dim];
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t at = m * N + h * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) head[d] = widen(out, at + d, kind);
+            for (int64_t d = 0; d < head_dim; d++) {
+                float turned = head[(d + head_dim / 2) % head_dim];
+                float a = rounded(head[d] * widen(cos, m * head_dim + d, kind), kind);
+                float b = rounded(turned * widen(sin_signed, m * head_dim + d, kind), kind);
+                store(out, at + d, a + b, kind);
+            }
+        }
+    }
+}
+
 void pagedchat_linear(const void *x, int kind, int64_t M, int64_t K, int pre, const void *norm_weight, float eps,
                       const void *w, int w_kind, int64_t N, const float *bias, const void *residual, void *out,
+                      const void *cos, const void *sin_signed, int64_t rotated_heads, int64_t head_dim,
                       int threads) {
     float *xs = malloc(sizeof(float) * M * K);
     float *y = kind == KIND_FP32 ? out : malloc(sizeof(float) * M * N);
@@ -152,6 +174,7 @@ void pagedchat_linear(const void *x, int kind, int64_t M, int64_t K, int pre, co
                 store(out, m * N + n, v, kind);
             }
     }
+    if (rotated_heads) rotate(out, kind, M, N, cos, sin_signed, rotated_heads, head_dim, threads);
     free(xs);
     if (y != out) free(y);
 }

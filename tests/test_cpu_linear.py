@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from pagedchat.engine import cpu_gemm, cpu_linear
 from pagedchat.engine.cpu_linear import WidenedLinear, linear_for
-from pagedchat.engine.layer_ops import TORCH_OPS, LayerOps, rms_norm
+from pagedchat.engine.layer_ops import TORCH_OPS, LayerOps, rms_norm, rotate
 
 needs_gemm = pytest.mark.skipif(not cpu_gemm.NEEDED_FLAGS <= cpu_gemm.cpu_flags(),
                                 reason="the CPU lacks AVX2, FMA or F16C")
@@ -73,7 +73,8 @@ def test_the_product_is_the_exact_one_rounded_once(dtype, bias, gemm):
 def test_the_fused_ops_are_torch_ops_around_the_exact_product(dtype, rows):
     """cpu_gemm's norm before, silu(gate) * up before and residual add after the product, against torch's ops
     around a float64 product: within a rounding or two of the output and of each input (the fp32 sums of
-    a norm may round an input the other way)."""
+    a norm may round an input the other way); its rotary after the product, against torch's rotary on
+    the product, exactly."""
     if cpu_gemm.kernel() is None:
         pytest.skip("no C compiler")
     gen = torch.Generator().manual_seed(rows)
@@ -98,9 +99,16 @@ def test_the_fused_ops_are_torch_ops_around_the_exact_product(dtype, rows):
     assert close(ops.silu_matmul(gate_up, weight, bias, residual), F.silu(gate) * up, residual)
     assert close(ops.matmul(x, weight, bias, residual), x, residual)
     assert not close(ops.norm_matmul(x, norm_weight, 1e-6, weight, bias), x, no_residual)  # the norm is done
+    cos, sin = randn(rows, 24), randn(rows, 24)  # rotary tables for the first 4 heads of 24 columns
+    plain = ops.norm_matmul(x, norm_weight, 1e-6, weight, bias)
+    rotated = ops.norm_matmul(x, norm_weight, 1e-6, weight, bias, rotary=(cos, sin, 4))
+    assert torch.equal(rotated[:, :96], rotate(plain[:, :96].view(rows, 4, 24), cos, sin).flatten(1))
+    assert torch.equal(rotated[:, 96:], plain[:, 96:])
     unfused = LayerOps(WidenedLinear(half_rows=rows, gemm=True))  # too few rows: torch's ops, as they are
     assert torch.equal(unfused.silu_matmul(gate_up, weight, bias, residual),
                        TORCH_OPS.silu_matmul(gate_up, weight, bias, residual))
+    assert torch.equal(unfused.norm_matmul(x, norm_weight, 1e-6, weight, bias, rotary=(cos, sin, 4)),
+                       TORCH_OPS.norm_matmul(x, norm_weight, 1e-6, weight, bias, rotary=(cos, sin, 4)))
 
 
 def test_a_weight_the_kernel_does_not_take_goes_to_onednn():

@@ -18,7 +18,7 @@ def kernel() -> ctypes._CFuncPtr | None:
     """`pagedchat_linear` from the built library; None where the CPU lacks AVX2/FMA/F16C or it cannot be built."""
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     return native.avx2_function("cpu_gemm.c", "pagedchat_linear",
-                                [p, i32, i64, i64, i32, p, ctypes.c_float, p, i32, i64, p, p, p, i32])
+                                [p, i32, i64, i64, i32, p, ctypes.c_float, p, i32, i64, p, p, p, p, p, i64, i64, i32])
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -28,11 +28,12 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
-           silu: bool = False) -> torch.Tensor:
+           silu: bool = False, rotary: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """residual + pre(x) [M, K] @ weight [N, K]^T + bias, multiplied in fp32 on the weight as it is and rounded
     to x's dtype; pre is transformers' RMSNorm by `norm` (its weight, eps), or, with `silu`, x is
-    [gate | up] [M, 2K] and pre(x) = silu(gate) * up. The caller checks `supports` and that `kernel()` is
-    built."""
+    [gate | up] [M, 2K] and pre(x) = silu(gate) * up; with `rotary` (cos, sin_signed [M, D], heads), the
+    first heads of D of each row are then rotated as `layer_ops.rotate` does. The caller checks `supports`
+    and that `kernel()` is built."""
     x = x.contiguous()
     (rows, depth), width = x.shape, weight.shape[0]
     depth //= 2 if silu else 1
@@ -41,8 +42,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bias = None if bias is None else bias.float().contiguous()
     residual = None if residual is None else residual.to(x.dtype).contiguous()
     pre = PRE_SILU_MUL if silu else PRE_NONE if norm is None else PRE_RMS_NORM
+    cos, sin, heads = (None, None, 0) if rotary is None else rotary
+    cos, sin = (None if t is None else t.to(x.dtype).contiguous() for t in (cos, sin))
     kernel()(x.data_ptr(), KINDS[x.dtype], rows, depth, pre, _pointer(norm_weight), eps, weight.data_ptr(),
-             KINDS[weight.dtype], width, _pointer(bias), _pointer(residual), out.data_ptr(), torch.get_num_threads())
+             KINDS[weight.dtype], width, _pointer(bias), _pointer(residual), out.data_ptr(), _pointer(cos),
+             _pointer(sin), heads, 0 if cos is None else cos.shape[1], torch.get_num_threads())
     return out
 
 

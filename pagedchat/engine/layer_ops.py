@@ -16,6 +16,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by its rows' rotary tables [T, D]: transformers' rotary, as
+    rotate_half(x) * sin == roll(x, D / 2) * (sin with its first half negated), exactly."""
+    return x * cos[:, None] + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed[:, None]
+
+
 class LayerOps:
     def __init__(self, linear: Linear):
         self.linear = linear
@@ -30,11 +36,18 @@ class LayerOps:
         return y if residual is None else residual + y
 
     def norm_matmul(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
-        """rms_norm(x) @ weight.T + bias"""
+                    bias: torch.Tensor | None, rotary: tuple[torch.Tensor, torch.Tensor, int] | None = None
+                    ) -> torch.Tensor:
+        """rms_norm(x) @ weight.T + bias, its first heads then rotated by `rotary` (cos, sin_signed, heads)"""
         if self._fused(x, weight):
-            return cpu_gemm.linear(x, weight, bias, norm=(norm_weight, eps))
-        return self.linear(rms_norm(x, norm_weight, eps), weight, bias)
+            return cpu_gemm.linear(x, weight, bias, norm=(norm_weight, eps), rotary=rotary)
+        y = self.linear(rms_norm(x, norm_weight, eps), weight, bias)
+        if rotary is None:
+            return y
+        cos, sin, heads = rotary
+        rows, dim = y.shape[0], cos.shape[1]
+        y[:, : heads * dim] = rotate(y[:, : heads * dim].view(rows, heads, dim), cos, sin).flatten(1)
+        return y
 
     def silu_matmul(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     residual: torch.Tensor) -> torch.Tensor:

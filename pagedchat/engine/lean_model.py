@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedchat.engine.cpu_linear import linear_for
-from pagedchat.engine.layer_ops import TORCH_OPS, LayerOps, rms_norm
+from pagedchat.engine.layer_ops import TORCH_OPS, LayerOps, rms_norm, rotate
 from pagedchat.kernels import AttentionMetadata, torch_ops
 
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -67,7 +67,7 @@ class LeanModel:
         cos, sin = base.rotary_emb(self.embed[:1], positions)  # [1, P, D] in the model's dtype
         half = self.head_dim // 2
         self.cos = cos[0]
-        # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated), exactly
+        # for layer_ops.rotate
         self.sin_signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
 
     @torch.inference_mode()
@@ -105,13 +105,16 @@ class LeanModel:
                          ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, Hq, D] and k [T, Hkv, D] rotated, v [T, Hkv, D], from the residual stream entering a layer."""
         num_tokens, heads, dim = residual.shape[0], self.num_heads, self.head_dim
-        qkv = ops.norm_matmul(residual, layer.input_norm, self.eps, layer.qkv, layer.qkv_bias)
-        qk = qkv[:, : (heads + self.num_kv_heads) * dim].view(num_tokens, -1, dim)
-        v = qkv[:, (heads + self.num_kv_heads) * dim:].view(num_tokens, self.num_kv_heads, dim)
-        if layer.q_norm is not None:
+        qk_heads = heads + self.num_kv_heads
+        norm_heads = layer.q_norm is not None  # Qwen3 norms each head of q and k before rotating it
+        qkv = ops.norm_matmul(residual, layer.input_norm, self.eps, layer.qkv, layer.qkv_bias,
+                              None if norm_heads else (cos, sin, qk_heads))
+        qk = qkv[:, : qk_heads * dim].view(num_tokens, qk_heads, dim)
+        v = qkv[:, qk_heads * dim:].view(num_tokens, self.num_kv_heads, dim)
+        if norm_heads:
             qk = torch.cat([rms_norm(qk[:, :heads], layer.q_norm, self.eps),
                             rms_norm(qk[:, heads:], layer.k_norm, self.eps)], dim=1)
-        qk = qk * cos[:, None] + qk.roll(dim // 2, dims=-1) * sin[:, None]
+            qk = rotate(qk, cos, sin)
         return qk[:, :heads], qk[:, heads:], v
 
     def mlp(self, attention_out: torch.Tensor, residual: torch.Tensor, layer: LeanLayer, ops: LayerOps
