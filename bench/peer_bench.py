@@ -85,12 +85,13 @@ def pagedchat_worker() -> None:
     peer_timing.write_result(results)
 
 
-def run_worker(command: list[str], job: dict, env: dict | None = None, timeout: float = 1800) -> dict:
+def run_worker(command: list[str], job: dict, env: dict | None = None, timeout: float = 1800,
+               cwd: str | None = None) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
     try:
         done = subprocess.run(command + [f.name], capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **(env or {})})
+                              env={**os.environ, **(env or {})}, cwd=cwd)
     finally:
         os.unlink(f.name)
     for line in reversed(done.stdout.splitlines()):
@@ -108,8 +109,10 @@ def run_vllm(job: dict) -> dict:
     if not peers.vllm_ready():
         return {"error": "not built (python -m bench.peers setup)"}
     threads = job["threads"] or os.cpu_count()
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0"}
-    return run_worker([str(peers.vllm_python()), str(HERE / "peer_vllm.py")], job, env)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0",
+           "PYTHONPATH": ""}
+    # away from this checkout, whose kernels/ would shadow the `kernels` package vLLM's subprocesses import
+    return run_worker([str(peers.vllm_python()), str(HERE / "peer_vllm.py")], job, env, cwd=tempfile.gettempdir())
 
 
 def run_llama(job: dict, port: int = 18391) -> dict:

@@ -43,8 +43,6 @@ from pathlib import Path
 from bench import peer_bench, peers
 from bench.common import Request, Section, Table, goal, header, load_average, load_llm
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 PEERS = ("pagedchat", "llama", "vllm")
 LABELS = {"pagedchat": "pagedchat serve", "llama": "llama.cpp", "vllm": "vLLM CPU"}
 GOAL_N = 16  # the N of the goal lines
@@ -455,8 +453,9 @@ def start_server(peer: str, s: Settings, start_timeout: float) -> Server:
     log = Path(tempfile.mkstemp(prefix=f"serve-bench-{peer}-", suffix=".log")[1])
     print(f"{LABELS[peer]}: {' '.join(command)} (log {log})", flush=True)
     with open(log, "w") as out:
+        # vLLM away from this checkout, whose kernels/ would shadow the `kernels` package vLLM imports
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env={**os.environ, **env}, cwd=ROOT, start_new_session=True)
+                                   env={**os.environ, **env}, cwd=tempfile.gettempdir(), start_new_session=True)
     server = Server(peer, process, f"http://127.0.0.1:{port}", log)
     try:
         server.load_s = wait_healthy(server.base, process, log, start_timeout)

@@ -54,8 +54,9 @@ def vllm_server(env: Mapping[str, str] = {}) -> Iterator[tuple[str, str]]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", **env}
     log = Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
     with open(log, "w") as out:
+        # away from this checkout, whose kernels/ would shadow the `kernels` package vLLM imports
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=env, start_new_session=True)
+                                   env=env, cwd=tempfile.gettempdir(), start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, process, log, START_TIMEOUT_S)

@@ -1,6 +1,7 @@
 """A layer's matmuls with the ops on either side of them (the norm before, silu(gate) * up before the down
-projection, the residual add after): in torch ops around the model's matmul, or, where cpu_gemm takes the
-matmul, in its one call, which spares a step the fixed cost of some thirty small torch ops a layer."""
+projection, the rotary of q and k or the residual add after): in torch ops around the model's matmul, or,
+where cpu_gemm takes the matmul, in its one call, which spares a step the fixed cost of some thirty small
+torch ops a layer."""
 
 import torch
 import torch.nn.functional as F
