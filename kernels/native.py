@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import platformdirs
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +21,7 @@ HEADERS = ["avx2.h"]
 # no contraction into FMAs where torch rounds a product before a sum (rotary, norms)
 AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 AVX2_CPU_FLAGS = {"avx2", "fma", "f16c"}
+KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the `kind` of avx2.h
 
 
 @functools.cache

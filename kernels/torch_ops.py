@@ -31,8 +31,6 @@ import torch.nn.functional as F
 from . import native
 from .metadata import AttentionMetadata
 
-NATIVE_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
              value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -252,7 +250,7 @@ def _native_decode() -> ctypes._CFuncPtr | None:
 def _decodes_in_place(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     """Whether cpu_attention.c takes these: built, on the CPU, one dtype it knows, heads of D contiguous."""
     head_dim = query.shape[2]
-    return (_native_decode() is not None and query.device.type == "cpu" and query.dtype in NATIVE_KINDS
+    return (_native_decode() is not None and query.device.type == "cpu" and query.dtype in native.KINDS
             and query.dtype == key_cache.dtype == value_cache.dtype and query.stride()[1:] == (head_dim, 1)
             and head_dim % 8 == 0 and key_cache.is_contiguous() and value_cache.is_contiguous())
 
@@ -263,7 +261,7 @@ def _attend_decode(part: _Decode, query, key_cache, value_cache, scale, out) -> 
     _native_decode()(query.data_ptr(), query.stride(0), part.rows.data_ptr(), key_cache.data_ptr(),
                      value_cache.data_ptr(), part.block_tables.data_ptr(), part.block_tables.shape[1],
                      part.seq_lens.data_ptr(), len(part.rows), num_q_heads, num_kv_heads, head_dim, block_size,
-                     NATIVE_KINDS[query.dtype], scale, out.data_ptr(), out.stride(0), torch.get_num_threads())
+                     native.KINDS[query.dtype], scale, out.data_ptr(), out.stride(0), torch.get_num_threads())
 
 
 def _attend_batch(plan: _Batch, query, key_cache, value_cache, scale, out) -> None:

@@ -7,7 +7,7 @@ import torch
 
 from pagedchat.kernels import native
 
-KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+KINDS = native.KINDS
 PRE_NONE, PRE_RMS_NORM, PRE_SILU_MUL = 0, 1, 2
 NEEDED_FLAGS = native.AVX2_CPU_FLAGS
 cpu_flags = native.cpu_flags
