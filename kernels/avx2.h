@@ -43,6 +43,28 @@ static inline float rounded(float f, int kind) {  /* f as a tensor of this kind 
     return widen(&h, 0, kind);
 }
 
+/* 8 values as a tensor of this kind holds them, each rounded as `to_half` rounds it */
+static inline __m128i to_half8(__m256 f, int kind) {
+    if (kind == KIND_FP16) return _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT);
+    __m256i u = _mm256_castps_si256(f);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i h = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+    __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
+    h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08));
+}
+
+static inline void store8(void *p, int64_t i, __m256 f, int kind) {
+    if (kind == KIND_FP32) _mm256_storeu_ps((float *)p + i, f);
+    else _mm_storeu_si128((__m128i *)((uint16_t *)p + i), to_half8(f, kind));
+}
+
+static inline __m256 rounded8(__m256 f, int kind) {
+    if (kind == KIND_FP32) return f;
+    __m128i h = to_half8(f, kind);
+    return load8(&h, 0, kind);
+}
+
 static inline float sum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_hadd_ps(s, s);

@@ -23,6 +23,7 @@ enum { PRE_NONE = 0, PRE_RMS_NORM = 1, PRE_SILU_MUL = 2 };
 #define NR 4    /* weight rows per block */
 #define MR 3    /* x rows per pass over a block */
 #define KC 512  /* the depth of a block's scratch */
+#define CHUNK 32  /* columns a thread finishes at a time: 8 blocks */
 
 /* y[m, 0:4] += x[m, 0:kl] . scratch rows 0..3, for the `rows` (<= MR) rows of x from here */
 static inline __attribute__((always_inline)) void block_pass(const float *x, int64_t ldx, const float *scratch,
@@ -102,7 +103,9 @@ static void prepare_input(const void *x, int kind, int64_t M, int64_t K, int pre
                 _mm256_storeu_ps(row + k, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f),
                                                                           exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)))));
             }
-            for (int64_t k = 0; k < K; k++) row[k] = rounded(rounded(row[k], kind) * widen(x, m * 2 * K + K + k, kind), kind);
+            for (int64_t k = 0; k < K; k += 8)
+                _mm256_storeu_ps(row + k, rounded8(_mm256_mul_ps(rounded8(_mm256_loadu_ps(row + k), kind),
+                                                                 load8(x, m * 2 * K + K + k, kind)), kind));
             continue;
         }
         for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(row + k, load8(x, m * K + k, kind));
@@ -112,8 +115,11 @@ static void prepare_input(const void *x, int kind, int64_t M, int64_t K, int pre
                 __m256 v = _mm256_loadu_ps(row + k);
                 squares = _mm256_fmadd_ps(v, v, squares);
             }
-            float inverse = 1.0f / sqrtf(sum8(squares) / (float)K + eps);
-            for (int64_t k = 0; k < K; k++) row[k] = rounded(widen(norm_weight, k, kind) * rounded(row[k] * inverse, kind), kind);
+            __m256 inverse = _mm256_set1_ps(1.0f / sqrtf(sum8(squares) / (float)K + eps));
+            for (int64_t k = 0; k < K; k += 8) {
+                __m256 normed = rounded8(_mm256_mul_ps(_mm256_loadu_ps(row + k), inverse), kind);
+                _mm256_storeu_ps(row + k, rounded8(_mm256_mul_ps(load8(norm_weight, k, kind), normed), kind));
+            }
         }
     }
 }
@@ -129,23 +135,36 @@ static void weight_row(const float *x, int64_t M, int64_t K, const void *w, int 
 }
 
 /* the first `heads` heads of D of each output row rotated by its row of the rotary tables cos and sin_signed
- * [M, D]: x * cos + roll(x, D / 2) * sin_signed, each product and the sum rounded as torch's ops round */
+ * [M, D]: x * cos + roll(x, D / 2) * sin_signed, each product and the sum rounded as torch's ops round
+ * (D / 2 a multiple of 8) */
 static void rotate(void *out, int kind, int64_t M, int64_t N, const void *cos, const void *sin_signed,
                    int64_t heads, int64_t head_dim, int threads) {
+    const int64_t half = head_dim / 2;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        float head[head_dim];
+    for (int64_t m = 0; m < M; m++)
         for (int64_t h = 0; h < heads; h++) {
-            const int64_t at = m * N + h * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) head[d] = widen(out, at + d, kind);
-            for (int64_t d = 0; d < head_dim; d++) {
-                float turned = head[(d + head_dim / 2) % head_dim];
-                float a = rounded(head[d] * widen(cos, m * head_dim + d, kind), kind);
-                float b = rounded(turned * widen(sin_signed, m * head_dim + d, kind), kind);
-                store(out, at + d, a + b, kind);
+            int64_t d = 0;
+            for (; d + 8 <= half; d += 8) {
+                const int64_t at = m * N + h * head_dim + d, table = m * head_dim + d;
+                __m256 first = load8(out, at, kind), second = load8(out, at + half, kind);
+                __m256 a = rounded8(_mm256_mul_ps(first, load8(cos, table, kind)), kind);
+                __m256 b = rounded8(_mm256_mul_ps(second, load8(sin_signed, table, kind)), kind);
+                __m256 c = rounded8(_mm256_mul_ps(second, load8(cos, table + half, kind)), kind);
+                __m256 e = rounded8(_mm256_mul_ps(first, load8(sin_signed, table + half, kind)), kind);
+                store8(out, at, _mm256_add_ps(a, b), kind);
+                store8(out, at + half, _mm256_add_ps(c, e), kind);
+            }
+            for (; d < half; d++) {
+                const int64_t at = m * N + h * head_dim + d, table = m * head_dim + d;
+                float first = widen(out, at, kind), second = widen(out, at + half, kind);
+                float a = rounded(first * widen(cos, table, kind), kind);
+                float b = rounded(second * widen(sin_signed, table, kind), kind);
+                float c = rounded(second * widen(cos, table + half, kind), kind);
+                float e = rounded(first * widen(sin_signed, table + half, kind), kind);
+                store(out, at, a + b, kind);
+                store(out, at + half, c + e, kind);
             }
         }
-    }
 }
 
 void pagedchat_linear(const void *x, int kind, int64_t M, int64_t K, int pre, const void *norm_weight, float eps,
@@ -153,28 +172,36 @@ void pagedchat_linear(const void *x, int kind, int64_t M, int64_t K, int pre, co
                       const void *cos, const void *sin_signed, int64_t rotated_heads, int64_t head_dim,
                       int threads) {
     float *xs = malloc(sizeof(float) * M * K);
-    float *y = kind == KIND_FP32 ? out : malloc(sizeof(float) * M * N);
+    float *y = malloc(sizeof(float) * M * N);
     prepare_input(x, kind, M, K, pre, norm_weight, eps, xs, threads);
-    int64_t blocks = N / NR;
+    /* the columns in chunks of whole blocks, each finished (bias, residual, rounding) while it is in cache */
+    int64_t chunks = (N + CHUNK - 1) / CHUNK;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b <= blocks; b++) {
-        int64_t n0 = b * NR, n1 = b < blocks ? n0 + NR : N;
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t c0 = c * CHUNK, c1 = c0 + CHUNK < N ? c0 + CHUNK : N;
         for (int64_t m = 0; m < M; m++)
-            for (int64_t n = n0; n < n1; n++) y[m * N + n] = bias ? bias[n] : 0.0f;
-        if (b < blocks && M == 1)
-            weight_block_one_row(xs, K, w, w_kind, n0, y);
-        else if (b < blocks)
-            weight_block(xs, M, K, w, w_kind, n0, y, N);
-        else
-            for (int64_t n = n0; n < n1; n++) weight_row(xs, M, K, w, w_kind, n, y, N);
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t n = n0; n < n1; n++) {
+            if (bias) memcpy(y + m * N + c0, bias + c0, sizeof(float) * (c1 - c0));
+            else memset(y + m * N + c0, 0, sizeof(float) * (c1 - c0));
+        int64_t n0 = c0;
+        for (; n0 + NR <= c1; n0 += NR)
+            if (M == 1) weight_block_one_row(xs, K, w, w_kind, n0, y);
+            else weight_block(xs, M, K, w, w_kind, n0, y, N);
+        for (int64_t n = n0; n < c1; n++) weight_row(xs, M, K, w, w_kind, n, y, N);
+        for (int64_t m = 0; m < M; m++) {
+            int64_t n = c0;
+            for (; n + 8 <= c1; n += 8) {
+                __m256 v = _mm256_loadu_ps(y + m * N + n);
+                if (residual) v = _mm256_add_ps(load8(residual, m * N + n, kind), rounded8(v, kind));
+                store8(out, m * N + n, v, kind);
+            }
+            for (; n < c1; n++) {
                 float v = y[m * N + n];
                 if (residual) v = widen(residual, m * N + n, kind) + rounded(v, kind);
                 store(out, m * N + n, v, kind);
             }
+        }
     }
     if (rotated_heads) rotate(out, kind, M, N, cos, sin_signed, rotated_heads, head_dim, threads);
     free(xs);
-    if (y != out) free(y);
+    free(y);
 }
