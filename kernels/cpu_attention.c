@@ -87,8 +87,9 @@ void pagedchat_decode_attention(const void *query, int64_t q_stride, const int64
         const int32_t *table = block_tables + s * table_width;
         int64_t *at = malloc(sizeof(int64_t) * len);
         float *q = malloc(sizeof(float) * (2 * head_dim + len)), *o = q + head_dim, *scores = o + head_dim;
-        for (int64_t l = 0; l < len; l++)
-            at[l] = (((int64_t)table[l / block_size] * block_size + l % block_size) * num_kv_heads + h) * head_dim;
+        for (int64_t b = 0, l = 0; l < len; b++)  /* block by block: a division a key costs as much as its dot */
+            for (int64_t i = 0; i < block_size && l < len; i++, l++)
+                at[l] = (((int64_t)table[b] * block_size + i) * num_kv_heads + h) * head_dim;
         for (int64_t g = 0; g < group; g++) {
             const int64_t head = rows[s] * q_stride + (h * group + g) * head_dim;
             for (int64_t d = 0; d < head_dim; d += 8)
@@ -97,7 +98,8 @@ void pagedchat_decode_attention(const void *query, int64_t q_stride, const int64
             float total = exponentiate(scores, len);
             head_values(scores, value_cache, kind, at, len, head_dim, o);
             const int64_t to = rows[s] * out_stride + (h * group + g) * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) store(out, to + d, o[d] / total, kind);
+            for (int64_t d = 0; d < head_dim; d += 8)
+                store8(out, to + d, _mm256_div_ps(_mm256_loadu_ps(o + d), _mm256_set1_ps(total)), kind);
         }
         free(at);
         free(q);
