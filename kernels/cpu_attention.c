@@ -9,11 +9,23 @@
 
 #include "avx2.h"
 
+/* The keys and values of a step's sequences are scattered over the pool, mostly beyond the caches: a row is
+ * prefetched AHEAD rows before it is read (the first head of a group reads it from memory, the others from
+ * the cache) */
+#define AHEAD 8
+
+static inline void prefetch_row(const void *cache, int64_t at, int kind, int64_t head_dim) {
+    const int64_t size = kind == KIND_FP32 ? 4 : 2;
+    for (int64_t b = 0; b < head_dim * size; b += 64) _mm_prefetch((const char *)cache + at * size + b, _MM_HINT_T0);
+}
+
 /* scores[l] = q . key l, for the keys at offsets `at` of the cache, 4 keys at a time (4 sums in flight) */
 static void head_scores(const float *q, const void *cache, int kind, const int64_t *at, int64_t len,
                         int64_t head_dim, float *scores) {
     int64_t l = 0;
     for (; l + 4 <= len; l += 4) {
+        for (int64_t ahead = l + AHEAD; ahead < l + AHEAD + 4 && ahead < len; ahead++)
+            prefetch_row(cache, at[ahead], kind, head_dim);
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t d = 0; d < head_dim; d += 8) {
             __m256 qv = _mm256_loadu_ps(q + d);
@@ -56,6 +68,8 @@ static void head_values(const float *p, const void *cache, int kind, const int64
         for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
         int64_t l = 0;
         for (; l + 2 <= len; l += 2) {
+            for (int64_t ahead = l + AHEAD; d == 0 && ahead < l + AHEAD + 2 && ahead < len; ahead++)
+                prefetch_row(cache, at[ahead], kind, head_dim);
             __m256 p0 = _mm256_set1_ps(p[l]), p1 = _mm256_set1_ps(p[l + 1]);
             for (int i = 0; i < 4; i++) {
                 a[i] = _mm256_fmadd_ps(p0, load8(cache, at[l] + d + 8 * i, kind), a[i]);
