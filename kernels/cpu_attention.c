@@ -88,17 +88,29 @@ static void head_values(const float *p, const void *cache, int kind, const int64
 }
 
 /* query [S] rows at query + rows[s] * q_stride (Hq heads of D); out likewise at out + rows[s] * out_stride;
- * caches [blocks, block_size, Hkv, D]; block_tables [S, table_width] */
+ * caches [blocks, block_size, Hkv, D]; block_tables [S, table_width]. Where `key`, each task first stores
+ * its head of the sequence's new key and value (rows of Hkv heads at key + rows[s] * key_stride, value
+ * likewise) in
+ * their slot, slots[rows[s]]: the new token's slot lies in a block of its own sequence's, which no other
+ * task reads. */
 void pagedchat_decode_attention(const void *query, int64_t q_stride, const int64_t *rows, const void *key_cache,
                                 const void *value_cache, const int32_t *block_tables, int64_t table_width,
                                 const int32_t *seq_lens, int64_t num_seqs, int64_t num_q_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int kind, float scale,
-                                void *out, int64_t out_stride, int threads) {
-    const int64_t group = num_q_heads / num_kv_heads;
+                                void *out, int64_t out_stride, const void *key, int64_t key_stride,
+                                const void *value, int64_t value_stride, const int64_t *slots, int threads) {
+    const int64_t group = num_q_heads / num_kv_heads, size = kind == KIND_FP32 ? 4 : 2;
     #pragma omp parallel for num_threads(threads) schedule(dynamic)
     for (int64_t task = 0; task < num_seqs * num_kv_heads; task++) {
         const int64_t s = task / num_kv_heads, h = task % num_kv_heads, len = seq_lens[s];
         const int32_t *table = block_tables + s * table_width;
+        if (key) {
+            const int64_t to = (slots[rows[s]] * num_kv_heads + h) * head_dim * size;
+            memcpy((char *)key_cache + to, (const char *)key + (rows[s] * key_stride + h * head_dim) * size,
+                   head_dim * size);
+            memcpy((char *)value_cache + to, (const char *)value + (rows[s] * value_stride + h * head_dim) * size,
+                   head_dim * size);
+        }
         int64_t *at = malloc(sizeof(int64_t) * len);
         float *q = malloc(sizeof(float) * (2 * head_dim + len)), *o = q + head_dim, *scores = o + head_dim;
         for (int64_t b = 0, l = 0; l < len; b++)  /* block by block: a division a key costs as much as its dot */

@@ -52,15 +52,25 @@ def _store_every_slot(key, value, key_cache, value_cache, slot_mapping) -> None:
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
               value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
     """One layer's attention for a step: store the new K/V [T, Hkv, D], then attend query [T, Hq, D]."""
-    _store_every_slot(key, value, key_cache, value_cache, metadata.slot_mapping)
     if metadata.plan is None:
         metadata.plan = _make_plan(metadata.block_tables_host, metadata.seq_lens_host, metadata.query_lens_host,
                                    key_cache.shape[1], query.shape[1] // key_cache.shape[2], key.device,
                                    fresh_prompts=True,
                                    in_place_decode=_decodes_in_place(query, key_cache, value_cache))
     out = query.new_empty(query.shape)
-    _run(metadata.plan, query, key, value, key_cache, value_cache, scale, out)
+    plan = metadata.plan
+    if len(plan) == 1 and isinstance(plan[0], _Decode) and _rows_of_heads(key, value, key_cache):
+        # a step of decodes only: cpu_attention.c stores the new K/V too, in the same pass
+        _attend_decode(plan[0], query, key_cache, value_cache, scale, out, (key, value, metadata.slot_mapping))
+        return out
+    _store_every_slot(key, value, key_cache, value_cache, metadata.slot_mapping)
+    _run(plan, query, key, value, key_cache, value_cache, scale, out)
     return out
+
+
+def _rows_of_heads(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor) -> bool:
+    head_dim = cache.shape[-1]
+    return key.dtype == value.dtype == cache.dtype and key.stride()[1:] == value.stride()[1:] == (head_dim, 1)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -244,7 +254,7 @@ def _native_decode() -> ctypes._CFuncPtr | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     return native.avx2_function("cpu_attention.c", "pagedchat_decode_attention",
                                 [p, i64, p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_float,
-                                 p, i64, ctypes.c_int])
+                                 p, i64, p, i64, p, i64, p, ctypes.c_int])
 
 
 def _decodes_in_place(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
@@ -255,13 +265,21 @@ def _decodes_in_place(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
             and head_dim % 8 == 0 and key_cache.is_contiguous() and value_cache.is_contiguous())
 
 
-def _attend_decode(part: _Decode, query, key_cache, value_cache, scale, out) -> None:
+def _attend_decode(part: _Decode, query, key_cache, value_cache, scale, out,
+                   new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """`new`: (key, value, slot_mapping) of the step, stored by the same call (`_rows_of_heads`)."""
     num_q_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
+    key, value, slots = (None, None, None) if new is None else new
     _native_decode()(query.data_ptr(), query.stride(0), part.rows.data_ptr(), key_cache.data_ptr(),
                      value_cache.data_ptr(), part.block_tables.data_ptr(), part.block_tables.shape[1],
                      part.seq_lens.data_ptr(), len(part.rows), num_q_heads, num_kv_heads, head_dim, block_size,
-                     native.KINDS[query.dtype], scale, out.data_ptr(), out.stride(0), torch.get_num_threads())
+                     native.KINDS[query.dtype], scale, out.data_ptr(), out.stride(0),
+                     *_rows(key), *_rows(value), None if slots is None else slots.data_ptr(), torch.get_num_threads())
+
+
+def _rows(tensor: torch.Tensor | None) -> tuple[int | None, int]:
+    return (None, 0) if tensor is None else (tensor.data_ptr(), tensor.stride(0))
 
 
 def _attend_batch(plan: _Batch, query, key_cache, value_cache, scale, out) -> None:

@@ -216,6 +216,27 @@ def test_decoding_sequences_are_attended_in_place_through_their_tables(dtype):
         assert out.dtype == dtype and relative_error(out, expected) <= TOLERANCE[dtype]
 
 
+@needs_avx2
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_of_decodes_stores_its_new_kv_in_the_call_that_attends(dtype):
+    """A step of decodes only: cpu_attention.c writes each new K/V (strided views of one q/k/v product, as
+    the lean model hands them) into its slot, which held NaN, before it attends over it."""
+    batch = make_batch([(n, 1) for n in (2, 9, 16, 17, 130)], 64, 16, dtype, 9, 3, seed=6)
+    expected = reference_attention(**batch)
+    key, value, metadata = step_inputs(batch)
+    qkv = torch.cat([torch.randn(len(key), 9 * 64).to(dtype), key.flatten(1), value.flatten(1)], dim=1)
+    new_key, new_value = qkv[:, 9 * 64:12 * 64].view(-1, 3, 64), qkv[:, 12 * 64:].view(-1, 3, 64)
+    flat = (-1, 3, 64)
+    for cache in (batch["key_cache"], batch["value_cache"]):
+        cache.view(flat)[metadata.slot_mapping] = float("nan")
+    out = torch_ops.attention(batch["query"], new_key, new_value, batch["key_cache"], batch["value_cache"],
+                              metadata, batch["scale"])
+    assert [type(part).__name__ for part in metadata.plan] == ["_Decode"]
+    assert torch.equal(batch["key_cache"].view(flat)[metadata.slot_mapping], key)
+    assert torch.equal(batch["value_cache"].view(flat)[metadata.slot_mapping], value)
+    assert out.dtype == dtype and relative_error(out, expected) <= TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_over_whole_tables(dtype):
     """The compiled step's attention: whole padded tables read, masked past each length (NaN slots)."""
