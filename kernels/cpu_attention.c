@@ -90,9 +90,8 @@ static void head_values(const float *p, const void *cache, int kind, const int64
 /* query [S] rows at query + rows[s] * q_stride (Hq heads of D); out likewise at out + rows[s] * out_stride;
  * caches [blocks, block_size, Hkv, D]; block_tables [S, table_width]. Where `key`, each task first stores
  * its head of the sequence's new key and value (rows of Hkv heads at key + rows[s] * key_stride, value
- * likewise) in
- * their slot, slots[rows[s]]: the new token's slot lies in a block of its own sequence's, which no other
- * task reads. */
+ * likewise) in their slot, slots[rows[s]]: the new token's slot lies in a block of its own sequence's,
+ * which no other task reads. */
 void pagedchat_decode_attention(const void *query, int64_t q_stride, const int64_t *rows, const void *key_cache,
                                 const void *value_cache, const int32_t *block_tables, int64_t table_width,
                                 const int32_t *seq_lens, int64_t num_seqs, int64_t num_q_heads,
