@@ -26,6 +26,7 @@ from pathlib import Path
 from bench import peer_timing, peers
 from bench.common import Section, Table, cpu_description, load_average, random_requests
 from bench.throughput import MIX_SIZES, QUESTIONS
+from pagedchat.engine.threads import ThreadPolicy
 
 HERE = Path(__file__).resolve().parent
 ONE_CHAT_TOKENS = 128
@@ -176,12 +177,25 @@ def busy_neighbour() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
+def wait_until_quiet(limit_s: float = 60.0) -> None:
+    """Until the rest of the machine keeps under a quarter of a core busy over a second (the peers' last
+    processes gone), at most `limit_s`: the quiet rows must not start beside their exit."""
+    deadline = time.monotonic() + limit_s
+    policy = ThreadPolicy()
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        if policy.measure() < 0.25:
+            return
+
+
 def thread_policy_rows(job: dict) -> list[list[object]]:
     """pagedchat's one-chat decode under the default thread policy and fixed counts, quiet and beside a
     busy neighbour (one Python loop)."""
     small = {**job, "workloads": {"one chat": job["workloads"]["one chat"]}}
     rows = []
     for neighbour in (False, True):
+        if not neighbour:
+            wait_until_quiet()
         process = busy_neighbour() if neighbour else None
         try:
             speeds = {}

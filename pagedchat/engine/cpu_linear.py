@@ -5,10 +5,10 @@ with weights cold in memory, as in a step, at 1 / 4 / 16 rows, 2 threads:
 - bf16: torch emulates the half-precision product, at a cost that grows with every row: 28 ms at 1 row,
   235 at 16. oneDNN on an fp32 copy of every weight: 55 / 53 / 79 ms, the copies doubling the model's
   memory. pagedchat's own AVX2 matmul (cpu_gemm.c) on the bf16 weights as they are, widening them in
-  registers: 28 / 35 / 49 ms, the lm head 7 / 6 / 13 against oneDNN's 12 / 10 / 17. At one row torch's
-  product was the faster in a later paired run (20-22 against 28-32 ms), at two cpu_gemm (32-34 against
-  33-42). So bf16 layers keep torch's own product for one row (which `torch.compile` also sees through)
-  and use cpu_gemm past that; without cpu_gemm, torch's product for up to two rows, oneDNN past that.
+  registers: 28 / 35 / 49 ms, the lm head 7 / 6 / 13 against oneDNN's 12 / 10 / 17. At one row, once
+  cpu_gemm read each weight row in memory order (one stream for the prefetcher): 24.7 against torch's
+  32.6 ms at 2 threads, 38.5 against 51.4 at one (121 matmuls, medians of 12). So bf16 layers use
+  cpu_gemm at every row count; without it, torch's product for up to two rows, oneDNN past that.
 - fp32: cpu_gemm 43 / 46 / 72 ms against oneDNN's 55 / 53 / 79 (MKL's `F.linear`: 72 / - / 106). On a
   CPU with avx512f, oneDNN's AVX-512 kernels are kept: cpu_gemm's are AVX2 only and were never measured
   against them.
@@ -38,7 +38,7 @@ def linear_for(dtype: torch.dtype, device: torch.device) -> Linear:
     if dtype != torch.float32 and cpu_has_fast_bf16():
         return F.linear
     gemm = cpu_gemm.kernel() is not None and (dtype != torch.float32 or "avx512f" not in cpu_gemm.cpu_flags())
-    half_rows = 0 if dtype == torch.float32 else 1 if gemm else MAX_HALF_ROWS
+    half_rows = 0 if dtype == torch.float32 or gemm else MAX_HALF_ROWS
     return WidenedLinear(half_rows, gemm)
 
 

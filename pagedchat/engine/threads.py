@@ -48,12 +48,16 @@ class ThreadPolicy:
     def threads_for(self, others: float) -> int:
         return max(1, min(self.cores, round(self.cores - others)))
 
+    def measure(self) -> float:
+        """Cores the rest of the machine kept busy since the last measure (or since the policy was made)."""
+        now = self._sample()
+        busy, self._last = self.others_busy(now), now
+        return busy
+
     def update(self) -> None:
         if not self.available or time.monotonic() - self._last[0] < CHECK_INTERVAL_S:
             return
-        now = self._sample()
-        threads = self.threads_for(self.others_busy(now))
-        self._last = now
+        threads = self.threads_for(self.measure())
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
 
