@@ -82,12 +82,12 @@ static void weight_block(const float *x, int64_t M, int64_t K, const void *w, in
  * read, made 4 short streams: 5-6 GB/s on one core against 7-8 here), 4 accumulators, lines a little ahead
  * prefetched (past the end of w a prefetch never faults) */
 static void weight_row_one_row(const float *x, int64_t K, const void *w, int kind, int64_t n, float *y) {
-    const int64_t at = n * K;
-    const char *ahead = (const char *)w + at * (kind == KIND_FP32 ? 4 : 2) + 1024;
+    const int64_t at = n * K, size = kind == KIND_FP32 ? 4 : 2;
+    const char *ahead = (const char *)w + at * size + 1024;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-        _mm_prefetch(ahead + k * (kind == KIND_FP32 ? 4 : 2), _MM_HINT_T0);
+        for (int64_t line = 0; line < 32 * size; line += 64) _mm_prefetch(ahead + k * size + line, _MM_HINT_T0);
         acc0 = _mm256_fmadd_ps(load8(w, at + k, kind), _mm256_loadu_ps(x + k), acc0);
         acc1 = _mm256_fmadd_ps(load8(w, at + k + 8, kind), _mm256_loadu_ps(x + k + 8), acc1);
         acc2 = _mm256_fmadd_ps(load8(w, at + k + 16, kind), _mm256_loadu_ps(x + k + 16), acc2);
