@@ -1,10 +1,12 @@
 """One compiled bucket on one tiny model: compiled in the background, then used, still equal to HF."""
 
+import os
 import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from pagedchat import SamplingParams
 from pagedchat.engine import compiled_decode, lean_model
@@ -13,8 +15,10 @@ from test_engine import hf_greedy, make_llm, random_prompts
 
 @pytest.fixture(autouse=True)
 def compiling(tmp_path, monkeypatch):
-    """fp32 (the dtype of exact equality) with torch's own matmuls, the case where the engine compiles."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    """fp32 (the dtype of exact equality) with torch's own matmuls, the case where the engine compiles;
+    inductor's cache folder as importing torch._dynamo leaves it, the user cache folder in tmp_path."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(default_cache_dir()))
     monkeypatch.setattr(lean_model, "linear_for", lambda dtype, device: F.linear)
 
 
@@ -29,8 +33,9 @@ def compiled_llm(path) -> tuple:
     return llm, calls
 
 
-def test_compiled_decode_matches_hf_and_serves_one_chat(tiny_model):
+def test_compiled_decode_matches_hf_and_serves_one_chat(tiny_model, tmp_path):
     llm, calls = compiled_llm(tiny_model)
+    assert any((tmp_path / "pagedchat" / "inductor").rglob("*.py"))  # kept for the next start, not in /tmp
     prompt = random_prompts(seed=11, lengths=[21])[0]
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24))[0]
     assert out.token_ids == hf_greedy(tiny_model, prompt, 24, min_new_tokens=24)

@@ -49,6 +49,15 @@ def compile_cache_dir() -> Path:
     return platformdirs.user_cache_path("pagedchat", appauthor=False) / "inductor"  # honours XDG_CACHE_HOME
 
 
+def use_compile_cache_dir() -> None:
+    """Inductor's caches in the user cache folder, unless TORCHINDUCTOR_CACHE_DIR names another folder.
+    Importing torch._dynamo (transformers does) already wrote inductor's default, in /tmp, into the variable."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
+
+
 class CompiledDecode:
     """The lean model's decode step for one sequence, compiled by a background thread.
 
@@ -60,6 +69,7 @@ class CompiledDecode:
         self.lean = lean
         self.kv_caches = kv_caches
         self.scratch_block = scratch_block
+        use_compile_cache_dir()
         # the compiled loops run on one thread: their work is small, and the thread count baked into them
         # would not follow the thread policy (threads.py) as the matmuls they call do
         self.fn = torch.compile(lean.decode, dynamic=True, fullgraph=True, options={"cpp.threads": 1})
@@ -97,7 +107,6 @@ class CompiledDecode:
 
     def _compile(self, threads: int) -> None:
         try:
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
             block_size = self.kv_caches[0][0].shape[1]
             device = self.lean.embed.device
 
