@@ -268,3 +268,64 @@ def test_closed_requests_post_nothing_more(started):
     wait_idle(worker)
     assert "a" not in engine.remaining  # closed in the engine, not merely forgotten by the worker
     assert sink.messages == [] and engine.steps == 0
+
+
+class CountedSnapshots(ScriptedEngine):
+    """Counts the snapshots built, and runs each step `step_s` long."""
+
+    def __init__(self, step_s: float = 0.0) -> None:
+        super().__init__()
+        self.step_s = step_s
+        self.snapshots_built = 0
+
+    def step(self):
+        time.sleep(self.step_s)
+        return super().step()
+
+    def kv_snapshot(self):
+        self.snapshots_built += 1
+        return super().kv_snapshot()
+
+
+def test_a_busy_engine_nobody_reads_builds_no_snapshot_per_step(started):
+    engine = CountedSnapshots()
+    worker = started(engine)
+    sink = Sink()
+    worker.add("a", [1], SamplingParams(max_tokens=50), sink)
+    wait_for(sink.finished)
+    wait_idle(worker)
+    assert engine.steps == 50
+    assert engine.snapshots_built <= 3  # at the start, after the command, when it went idle
+    assert worker.snapshot.step == 50  # idle: current
+
+
+def test_a_reader_sees_each_step_after_its_read(started):
+    engine = CountedSnapshots(step_s=0.01)
+    worker = started(engine)
+    sink = Sink()
+    worker.add("a", [1], SamplingParams(max_tokens=30), sink)
+    seen = []
+    while not sink.finished():
+        asked_at = engine.steps
+        worker.snapshot
+        wait_for(lambda: engine.steps >= asked_at + 2 or sink.finished())
+        seen.append((asked_at, worker.snapshot.step))
+    assert all(step >= asked_at for asked_at, step in seen)  # each built after the read before it
+    assert engine.snapshots_built < engine.steps  # not one a step: only after reads
+
+
+def test_fresh_snapshot_is_as_of_after_the_step_in_progress(started):
+    engine = CountedSnapshots(step_s=0.02)
+    worker = started(engine)
+    sink = Sink()
+    worker.add("a", [1], SamplingParams(max_tokens=20), sink)
+    wait_for(lambda: engine.steps >= 3)
+    got = []
+    asked_at = engine.steps
+    worker.fresh_snapshot(got.append)
+    wait_for(lambda: got)
+    assert got[0].step >= asked_at
+    worker.stop()
+    late = []
+    worker.fresh_snapshot(late.append)  # the thread has ended: at once, with the last one
+    assert late == [worker.snapshot]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pagedchat.engine.engine_thread import EngineThread
 from pagedchat.engine.outputs import RequestOutput
 from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.snapshot import KVSnapshot
 
 
 class EngineFailure(Exception):
@@ -52,6 +53,7 @@ class QueueSink:
 class AsyncEngine:
     def __init__(self, thread: EngineThread, loop: asyncio.AbstractEventLoop) -> None:
         self.thread = thread
+        self._loop = loop
         self._post = LoopPost(loop)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, keep: bool = False,
@@ -78,3 +80,18 @@ class AsyncEngine:
 
     def close(self, request_id: str) -> None:
         self.thread.close(request_id)
+
+    async def snapshot(self) -> KVSnapshot:
+        """The engine's snapshot as of now (built after the step in progress, if one is)."""
+        future = self._loop.create_future()
+
+        def resolve(snapshot: KVSnapshot) -> None:
+            if not future.done():
+                future.set_result(snapshot)
+
+        def deliver(snapshot: KVSnapshot) -> None:  # on the engine thread
+            if not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(resolve, snapshot)
+
+        self.thread.fresh_snapshot(deliver)
+        return await future

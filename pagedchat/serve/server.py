@@ -79,7 +79,7 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     @app.get("/metrics")
     async def prometheus():
         served = state.served
-        snapshot = served.engine.thread.snapshot if served else None
+        snapshot = await served.engine.snapshot() if served else None
         return PlainTextResponse(metrics.render(snapshot, served.counters if served else None,
                                                 served.model_name if served else ""),
                                  media_type="text/plain; version=0.0.4")
@@ -140,7 +140,7 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     @v1.get("/kv/snapshot")
     async def kv_snapshot():
-        return snapshot_to_json(state.ready().engine.thread.snapshot)
+        return snapshot_to_json(await state.ready().engine.snapshot())
 
     @v1.get("/kv/events")
     async def kv_events(request: Request, since: int | None = None):
