@@ -1,6 +1,7 @@
-"""The CPU matmuls: pagedchat's AVX2 kernel (cpu_gemm.c) and oneDNN, both in fp32 and rounded once, and
-torch's own product for a row or two of bf16."""
+"""The CPU matmuls: pagedchat's AVX2 kernel (cpu_gemm.c) in fp32, oneDNN in fp32 or natively in bf16,
+each rounded once, and torch's own product for a row or two of bf16."""
 
+import math
 import shutil
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedchat.engine import cpu_gemm, cpu_linear
-from pagedchat.engine.cpu_linear import WidenedLinear, linear_for
+from pagedchat.engine.cpu_linear import CpuLinear, linear_for
 from pagedchat.engine.layer_ops import TORCH_OPS, LayerOps, rms_norm, rotate
 
 needs_gemm = pytest.mark.skipif(not cpu_gemm.NEEDED_FLAGS <= cpu_gemm.cpu_flags(),
@@ -51,7 +52,7 @@ def test_the_kernel_is_the_fp32_product(dtype, rows, width, depth):
 def test_the_product_is_the_exact_one_rounded_once(dtype, bias, gemm):
     if gemm and cpu_gemm.kernel() is None:
         pytest.skip("no AVX2 kernel on this machine")
-    linear = WidenedLinear(half_rows=2, gemm=gemm)
+    linear = CpuLinear(half_rows=2, gemm_rows=math.inf if gemm else 0)
     weight = torch.randn(300, 64, dtype=dtype)
     b = torch.randn(300, dtype=dtype) if bias else None
     x = torch.randn(5, 64, dtype=dtype)
@@ -85,7 +86,7 @@ def test_the_fused_ops_are_torch_ops_around_the_exact_product(dtype, rows):
     depth, width = 264, 100
     x, gate_up, residual = randn(rows, depth, scale=3), randn(rows, 2 * depth, scale=2), randn(rows, width)
     norm_weight, weight, bias = 1 + randn(depth, scale=0.1), randn(width, depth, scale=0.1), randn(width)
-    ops = LayerOps(WidenedLinear(half_rows=0, gemm=True))
+    ops = LayerOps(CpuLinear(half_rows=0, gemm_rows=math.inf))
 
     def close(fused, inputs, plus):
         exact = plus.double() + F.linear(inputs.double(), weight.double(), bias.double())
@@ -104,7 +105,7 @@ def test_the_fused_ops_are_torch_ops_around_the_exact_product(dtype, rows):
     rotated = ops.norm_matmul(x, norm_weight, 1e-6, weight, bias, rotary=(cos, sin, 4))
     assert torch.equal(rotated[:, :96], rotate(plain[:, :96].view(rows, 4, 24), cos, sin).flatten(1))
     assert torch.equal(rotated[:, 96:], plain[:, 96:])
-    unfused = LayerOps(WidenedLinear(half_rows=rows, gemm=True))  # too few rows: torch's ops, as they are
+    unfused = LayerOps(CpuLinear(half_rows=rows, gemm_rows=math.inf))  # too few rows: torch's ops, as they are
     assert torch.equal(unfused.silu_matmul(gate_up, weight, bias, residual),
                        TORCH_OPS.silu_matmul(gate_up, weight, bias, residual))
     assert torch.equal(unfused.norm_matmul(x, norm_weight, 1e-6, weight, bias, rotary=(cos, sin, 4)),
@@ -112,11 +113,15 @@ def test_the_fused_ops_are_torch_ops_around_the_exact_product(dtype, rows):
 
 
 def test_a_weight_the_kernel_does_not_take_goes_to_onednn():
-    linear = WidenedLinear(half_rows=0, gemm=True)
+    linear = CpuLinear(half_rows=0, gemm_rows=math.inf)
     weight = torch.randn(40, 30)  # a depth that is no multiple of 8
     x = torch.randn(3, 30)
     assert within_accumulation_error(linear(x, weight), x, weight, None)
     assert len(linear.onednn.reordered) == 1
+
+
+def routes(linear) -> tuple:
+    return linear.half_rows, linear.gemm_rows, linear.onednn.dtype
 
 
 def test_the_matmul_follows_the_dtype_and_the_cpu(monkeypatch):
@@ -124,15 +129,33 @@ def test_the_matmul_follows_the_dtype_and_the_cpu(monkeypatch):
     monkeypatch.setattr(cpu_linear, "cpu_has_fast_bf16", lambda: False)
     monkeypatch.setattr(cpu_gemm, "kernel", lambda: object())
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
-    bf16, fp32 = linear_for(torch.bfloat16, cpu), linear_for(torch.float32, cpu)
-    assert (bf16.half_rows, bf16.gemm) == (0, True)
-    assert (fp32.half_rows, fp32.gemm) == (0, True)
+    assert routes(linear_for(torch.bfloat16, cpu)) == (0, math.inf, torch.float32)
+    assert routes(linear_for(torch.float32, cpu)) == (0, math.inf, torch.float32)
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx512f"}))
-    assert linear_for(torch.float32, cpu).gemm is False  # oneDNN's AVX-512 kernels
-    assert linear_for(torch.bfloat16, cpu).gemm is True
-    monkeypatch.setattr(cpu_gemm, "kernel", lambda: None)  # no compiler
-    no_gemm = linear_for(torch.bfloat16, cpu)
-    assert (no_gemm.half_rows, no_gemm.gemm) == (cpu_linear.MAX_HALF_ROWS, False)
+    assert routes(linear_for(torch.float32, cpu)) == (0, 1, torch.float32)  # oneDNN's AVX-512 past one row
+    assert routes(linear_for(torch.bfloat16, cpu)) == (0, math.inf, torch.float32)
     monkeypatch.setattr(cpu_linear, "cpu_has_fast_bf16", lambda: True)
-    assert linear_for(torch.bfloat16, cpu) is F.linear
+    assert routes(linear_for(torch.bfloat16, cpu)) == (0, 1, torch.bfloat16)  # oneDNN's bf16 past one row
+    assert linear_for(torch.float16, cpu) is F.linear
+    monkeypatch.setattr(cpu_gemm, "kernel", lambda: None)  # no compiler
+    assert routes(linear_for(torch.bfloat16, cpu)) == (0, 0, torch.bfloat16)
+    monkeypatch.setattr(cpu_linear, "cpu_has_fast_bf16", lambda: False)
+    assert routes(linear_for(torch.bfloat16, cpu)) == (cpu_linear.MAX_HALF_ROWS, 0, torch.float32)
     assert linear_for(torch.float32, torch.device("meta")) is F.linear
+
+
+@pytest.mark.skipif(not cpu_linear.cpu_has_fast_bf16(), reason="oneDNN's bf16 product needs bf16 instructions")
+@pytest.mark.parametrize("rows", [1, 2, 16])
+def test_the_native_bf16_product_is_the_exact_one_rounded_once(rows):
+    """Where the CPU has bf16 instructions, oneDNN multiplies bf16 as it is, accumulating in fp32."""
+    linear = CpuLinear(half_rows=0, gemm_rows=0, onednn_dtype=torch.bfloat16)
+    weight = torch.randn(300, 576, dtype=torch.bfloat16)
+    bias = torch.randn(300, dtype=torch.bfloat16)
+    x = torch.randn(rows, 576, dtype=torch.bfloat16)
+    product = linear(x, weight, bias)
+    assert product.dtype == torch.bfloat16 and product.shape == (rows, 300)
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    scale = F.linear(x.double().abs(), weight.double().abs()) + bias.double().abs()
+    # one bf16 rounding of the result, plus fp32 accumulation over 576 products
+    assert ((product.double() - exact).abs() <= torch.finfo(torch.bfloat16).eps * exact.abs() + 1e-5 * scale).all()
+    assert len(linear.onednn.reordered) == 1

@@ -9,15 +9,19 @@ with weights cold in memory, as in a step, at 1 / 4 / 16 rows, 2 threads:
   cpu_gemm read each weight row in memory order (one stream for the prefetcher): 24.7 against torch's
   32.6 ms at 2 threads, 38.5 against 51.4 at one (121 matmuls, medians of 12). So bf16 layers use
   cpu_gemm at every row count; without it, torch's product for up to two rows, oneDNN past that.
-- fp32: cpu_gemm 43 / 46 / 72 ms against oneDNN's 55 / 53 / 79 (MKL's `F.linear`: 72 / - / 106). On a
-  CPU with avx512f, oneDNN's AVX-512 kernels are kept: cpu_gemm's are AVX2 only and were never measured
-  against them.
-- with bf16 instructions (avx512_bf16, AMX): torch's own bf16 product, which calls oneDNN itself.
-Where cpu_gemm cannot be built (no C compiler), the layers multiply through oneDNN on fp32 copies.
+- fp32: cpu_gemm 43 / 46 / 72 ms against oneDNN's 55 / 53 / 79 (MKL's `F.linear`: 72 / - / 106).
+Measured on a 2-core machine with avx512f and avx512_bf16, the same 121 matmuls, 2 threads (1 / 4 / 16 rows):
+- bf16: oneDNN's native bf16 product on weights it reordered once: 7.7-11 / 12.7 / 11-18 ms; torch's own
+  `F.linear`, which calls oneDNN on the weight as it is: 16 / - / 21; cpu_gemm, AVX2 only: 7.2-9.3 / 20.6 /
+  29-46. So cpu_gemm for one row (whose neighbouring ops it also fuses), oneDNN past that.
+- fp32: cpu_gemm 14.4 / 17.8 / 29.7 against oneDNN's 18.3 / 15.3 / 20.2: cpu_gemm for one row only.
+fp16 on such a CPU: torch's own product. Where cpu_gemm cannot be built (no C compiler), the layers
+multiply through oneDNN (on fp32 copies of half-precision weights, but for bf16 with bf16 instructions).
 Either way a half-precision product is rounded to the model's dtype once, as a bf16 matmul rounds its
 fp32 accumulator.
 """
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -35,44 +39,52 @@ def linear_for(dtype: torch.dtype, device: torch.device) -> Linear:
     """The matmul for a model of this dtype on this device (see the module's docstring)."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return F.linear
+    gemm = cpu_gemm.kernel() is not None
+    if dtype == torch.bfloat16 and cpu_has_fast_bf16():
+        return CpuLinear(half_rows=0, gemm_rows=1 if gemm else 0, onednn_dtype=torch.bfloat16)
     if dtype != torch.float32 and cpu_has_fast_bf16():
         return F.linear
-    gemm = cpu_gemm.kernel() is not None and (dtype != torch.float32 or "avx512f" not in cpu_gemm.cpu_flags())
+    if dtype == torch.float32 and "avx512f" in cpu_gemm.cpu_flags():
+        return CpuLinear(half_rows=0, gemm_rows=1 if gemm else 0)
     half_rows = 0 if dtype == torch.float32 or gemm else MAX_HALF_ROWS
-    return WidenedLinear(half_rows, gemm)
+    return CpuLinear(half_rows, gemm_rows=math.inf if gemm else 0)
 
 
 class OneDnnProduct:
-    """x @ weight.T + bias in fp32 through oneDNN, on fp32 copies of the weights reordered for it at their
-    first use, keyed by the identity of weights that the model holds for as long as it lives."""
+    """x @ weight.T + bias in `dtype` through oneDNN (fp32: on widened copies of half-precision weights), on
+    copies of the weights reordered for it at their first use, keyed by the identity of weights that the
+    model holds for as long as it lives."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype
         self.reordered: dict[int, torch.Tensor] = {}
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         packed = self.reordered.get(id(weight))
         if packed is None:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.float(), REORDER_BATCH_HINT)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(self.dtype), REORDER_BATCH_HINT)
             self.reordered[id(weight)] = packed
-        return torch.ops.mkldnn._linear_pointwise(x.float(), packed, None if bias is None else bias.float(),
-                                                  "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), packed,
+                                                  None if bias is None else bias.to(self.dtype), "none", [], "")
 
 
-class WidenedLinear:
-    """x @ weight.T + bias multiplied in fp32 and rounded once to x's dtype: by cpu_gemm where `gemm` and it
-    takes the weight, else by oneDNN; inputs of up to `half_rows` rows keep torch's own product on the weight as it is.
-    One instance serves one model."""
+class CpuLinear:
+    """x @ weight.T + bias, by row count: up to `half_rows` rows torch's own product on the weight as it is;
+    then up to `gemm_rows` rows cpu_gemm (where it takes the weight), in fp32; past that oneDNN in
+    `onednn_dtype`. Rounded once to x's dtype. One instance serves one model."""
 
-    def __init__(self, half_rows: int, gemm: bool) -> None:
+    def __init__(self, half_rows: int, gemm_rows: float, onednn_dtype: torch.dtype = torch.float32) -> None:
         self.half_rows = half_rows
-        self.gemm = gemm
-        self.onednn = OneDnnProduct()
+        self.gemm_rows = gemm_rows
+        self.onednn = OneDnnProduct(onednn_dtype)
+
+    def uses_gemm(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return self.half_rows < x.shape[0] <= self.gemm_rows and cpu_gemm.supports(x, weight)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.numel() <= self.half_rows * weight.shape[1]:
             return F.linear(x, weight, bias)
-        gemm = self.gemm and cpu_gemm.supports(x, weight)
-        out = cpu_gemm.linear(x, weight, bias) if gemm else self.onednn(x, weight, bias)
+        out = cpu_gemm.linear(x, weight, bias) if self.uses_gemm(x, weight) else self.onednn(x, weight, bias)
         return out.to(x.dtype)
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedchat.engine import cpu_gemm
-from pagedchat.engine.cpu_linear import Linear, WidenedLinear
+from pagedchat.engine.cpu_linear import CpuLinear, Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -26,7 +26,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
 class LayerOps:
     def __init__(self, linear: Linear):
         self.linear = linear
-        self.gemm = isinstance(linear, WidenedLinear) and linear.gemm
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,7 +58,7 @@ class LayerOps:
         return residual + self.linear(F.silu(gate) * up, weight, bias)
 
     def _fused(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return self.gemm and x.shape[0] > self.linear.half_rows and cpu_gemm.supports(x, weight)
+        return isinstance(self.linear, CpuLinear) and self.linear.uses_gemm(x, weight)
 
 
 TORCH_OPS = LayerOps(F.linear)
