@@ -15,6 +15,9 @@ class EngineFailure(Exception):
     """A command or a step failed for this request."""
 
 
+LEFT = object()  # on a request's queue: its client is gone
+
+
 class LoopPost:
     """Hands items to asyncio queues from the engine thread, waking the loop once for all that one step
     produced rather than once per request."""
@@ -57,10 +60,13 @@ class AsyncEngine:
         self._post = LoopPost(loop)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, keep: bool = False,
-                       continued: bool = False) -> AsyncIterator[RequestOutput]:
+                       continued: bool = False, until: asyncio.Future | None = None) -> AsyncIterator[RequestOutput]:
         """Every output of the request until its last; a new request, or the next turn of a kept one.
-        Leaving early (a client gone) stops it at once: aborted, or closed if it was kept."""
+        Leaving early (a client gone: `until` done, or the iteration left) stops it at once: aborted, or
+        closed if it was kept."""
         queue: asyncio.Queue = asyncio.Queue()
+        if until is not None:  # one callback, not a task raced against each output
+            until.add_done_callback(lambda _: queue.put_nowait(LEFT))
         sink = QueueSink(self._post, queue)
         if continued:
             self.thread.continue_(request_id, prompt, params, sink)
@@ -70,6 +76,8 @@ class AsyncEngine:
         try:
             while not finished:
                 item = await queue.get()
+                if item is LEFT:
+                    return
                 finished = isinstance(item, EngineFailure) or item.finished
                 if isinstance(item, EngineFailure):  # the engine thread has already stopped it
                     raise item

@@ -188,8 +188,9 @@ class Run:
     on_finish: Callable[[RequestOutput], None] | None = None
     on_abandon: Callable[[], None] | None = None  # the client left before the end
 
-    def outputs(self) -> AsyncIterator[RequestOutput]:
-        return self.served.engine.generate(self.request_id, self.prompt, self.params, self.keep, self.continued)
+    def outputs(self, until: asyncio.Future) -> AsyncIterator[RequestOutput]:
+        return self.served.engine.generate(self.request_id, self.prompt, self.params, self.keep, self.continued,
+                                           until=until)
 
     def finished(self, output: RequestOutput) -> None:
         self.served.counters.add(output, len(self.context_ids))
@@ -202,7 +203,7 @@ class Run:
 
 
 async def respond(run: Run, body, request: Request, chat: bool):
-    outputs = until_disconnected(run.outputs(), request)
+    outputs = until_disconnected(run, request)
     if body.stream:
         return StreamingResponse(stream(run, outputs, body, chat), media_type="text/event-stream")
     final = None
@@ -218,30 +219,18 @@ async def respond(run: Run, body, request: Request, chat: bool):
     return whole_response(run, final, body, chat)
 
 
-async def until_disconnected(outputs: AsyncIterator[RequestOutput], request: Request) -> AsyncIterator[RequestOutput]:
-    """The outputs until the last one or until the client leaves, whichever is first; leaving stops the
-    request (the outputs' generator ends it). Starlette does not watch for a disconnect while a stream
+async def until_disconnected(run: Run, request: Request) -> AsyncIterator[RequestOutput]:
+    """The run's outputs until the last one or until the client leaves, whichever is first; leaving stops
+    the request (the outputs' generator ends it). Starlette does not watch for a disconnect while a stream
     has nothing to send, and a paused or busy engine sends nothing: so this does."""
     gone = asyncio.ensure_future(disconnected(request))
-    following = None
+    outputs = run.outputs(until=gone)
     try:
-        while True:
-            following = asyncio.ensure_future(anext(outputs))
-            await asyncio.wait({following, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not following.done():
-                return
-            try:
-                output = following.result()
-            except StopAsyncIteration:
-                return
-            following = None
+        async for output in outputs:
             yield output
     finally:
         gone.cancel()
-        if following is not None and not following.done():
-            following.cancel()  # thrown into the generator waiting for an output: it ends the request
-        else:
-            await outputs.aclose()
+        await outputs.aclose()
 
 
 async def disconnected(request: Request) -> None:
