@@ -20,8 +20,10 @@ async def test_at_80x24_the_chat_keeps_half_the_width_the_tabs_fit_and_f4_hides_
         await pilot.pause()
         chat_area, panel = app.query_one("#chat-area"), app.query_one(KVPanel)
         await wait_until(pilot, lambda: chat_area.size.width >= 40, what="the chat to take half the width")
-        bar = app.query_one("#chats").query_one("ContentTabs").region
-        await wait_until(pilot, lambda: all(tab.region.right <= bar.right for tab in app.query(Tab)),
+        bar = app.query_one("#chats").query_one("ContentTabs")
+        await wait_until(pilot, lambda: bar.region.width <= chat_area.size.width
+                         and all(bar.region.x <= tab.region.x and tab.region.right <= bar.region.right
+                                 for tab in app.query(Tab)),
                          what="every tab label inside the tab bar")
         assert len(app.query(Tab)) == 4 and all("chat" in str(tab.label) for tab in app.query(Tab))
         await pilot.press("f4")

@@ -71,7 +71,8 @@ LABEL_COUNT_EVERY_S = 0.5  # a streaming tab's count relabels at most this often
 SLOW_MOTION = (0.0, 0.25, 1.0)  # seconds between steps, cycled by f3
 STATES = {"waiting": "waiting", "running": "generating", "preempted": "preempted"}
 STATE_WIDTH = max(map(len, STATES.values()))
-STATE_MARKS = {"idle": " ", "waiting": "⋯", "generating": "▸", "preempted": "‖"}  # in a compact tab label
+# A compact tab label's mark, in its session's colour, where a full one has "■": 4 compact tabs fit in 40 columns.
+STATE_MARKS = {"idle": "■", "waiting": "⋯", "generating": "▸", "preempted": "‖"}
 CLOSED_KEPT = 20  # closed tabs that ctrl+t can bring back, the last closed first
 # Actions that belong to the chat screen: off while a dialog or the loading screen is up, so that
 # escape and friends reach the dialog despite being priority bindings.
@@ -686,10 +687,11 @@ class PagedChatApp(App):
         return width > 0 and sum(len(pane.title) + full for pane in self._panes.values()) > width
 
     def _tab_label(self, title: str, colour: int, tokens: int, state: str, compact: bool = False) -> Content:
-        """The tab's colour, title, tokens and state; compact, the colour, title and a mark for the state."""
-        label = Text("■ ", style=self.theme_variables[SessionTag(title, colour).variable])
+        """The tab's colour, title, tokens and state; compact, the state's mark in the colour, and the title."""
+        mark = STATE_MARKS[state] if compact else "■"
+        label = Text(f"{mark} ", style=self.theme_variables[SessionTag(title, colour).variable])
         if compact:
-            label.append(f"{title} {STATE_MARKS[state]}")
+            label.append(title)
             return Content.from_rich_text(label)
         label.append(f"{title} ")
         # Fixed-width fields: a tab that changes width shifts the tabs after it, and the active
