@@ -299,7 +299,7 @@ def test_a_busy_engine_nobody_reads_builds_no_snapshot_per_step(started):
     assert worker.snapshot.step == 50  # idle: current
 
 
-def test_a_reader_sees_each_step_after_its_read(started):
+def test_a_reader_gets_a_snapshot_built_after_its_read(started):
     engine = CountedSnapshots(step_s=0.01)
     worker = started(engine)
     sink = Sink()

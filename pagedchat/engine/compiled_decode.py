@@ -1,8 +1,8 @@
 """One chat's decode step compiled by inductor in the background, while the eager forward serves.
 
 A chat decoding alone is what a person does most, and where its matmuls are torch's own (fp16 on a CPU
-with bf16 instructions, or bf16 where cpu_gemm cannot be built: model_runner.one_row_is_torch_product) much of its
-eager step is per-op cost. Compiled, the ops between the matmuls (norms, rotary, the attention over the
+with bf16 instructions, or bf16 where cpu_gemm cannot be built: model_runner.one_row_is_torch_product)
+much of its eager step is per-op cost. Compiled, the ops between the matmuls (norms, rotary, the attention over the
 gathered blocks, SiLU) become a few C++ loops: the default model's bf16 step on torch's product went from
 ~28 to ~21-23 ms on the 2-core AVX2 machines. Compiling takes 1.5-2 minutes there, so it never happens
 where the user waits:

@@ -6,11 +6,10 @@ condition when there is none, so an idle engine costs no CPU. It publishes the e
 `KVSnapshot` in `snapshot` for pollers: after every batch of commands, when the engine stops moving
 (idle or paused), and after each step that follows a read of `snapshot`, since building one costs a
 step ~1-2 ms at 16 chats and a headless server may have nobody reading; `fresh_snapshot` waits for one
-as of now. A reply in progress can
-be polled too: the newest unfinished output of each request waits in `progress(request_id)`. Every
-output of a request (each step that moved it) and every error go to the `Sink` that asked for the
-request, called on this thread: a sink must hand them on without blocking (the app posts a Textual
-message, the server wakes its event loop).
+as of now. A reply in progress can be polled too: the newest unfinished output of each request waits
+in `progress(request_id)`. Every output of a request (each step that moved it) and every error go to
+the `Sink` that asked for the request, called on this thread: a sink must hand them on without
+blocking (the app posts a Textual message, the server wakes its event loop).
 """
 
 import contextlib

@@ -56,7 +56,6 @@ class QueueSink:
 class AsyncEngine:
     def __init__(self, thread: EngineThread, loop: asyncio.AbstractEventLoop) -> None:
         self.thread = thread
-        self._loop = loop
         self._post = LoopPost(loop)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, keep: bool = False,
@@ -91,15 +90,6 @@ class AsyncEngine:
 
     async def snapshot(self) -> KVSnapshot:
         """The engine's snapshot as of now (built after the step in progress, if one is)."""
-        future = self._loop.create_future()
-
-        def resolve(snapshot: KVSnapshot) -> None:
-            if not future.done():
-                future.set_result(snapshot)
-
-        def deliver(snapshot: KVSnapshot) -> None:  # on the engine thread
-            if not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(resolve, snapshot)
-
-        self.thread.fresh_snapshot(deliver)
-        return await future
+        queue: asyncio.Queue = asyncio.Queue()
+        self.thread.fresh_snapshot(lambda snapshot: self._post.put(queue, snapshot))
+        return await queue.get()
