@@ -130,6 +130,16 @@ static void prepare_input(const void *x, int kind, int64_t M, int64_t K, int pre
     }
 }
 
+/* out [M, K] = pre(x) in x's dtype: the pre-op alone, for the rows of a product that oneDNN takes (CPUs with
+ * bf16 instructions), where torch's own ops would be some ten calls of fixed cost for each norm */
+void pagedchat_pre_op(const void *x, int kind, int64_t M, int64_t K, int pre, const void *norm_weight, float eps,
+                      void *out, int threads) {
+    float *xs = malloc(sizeof(float) * M * K);
+    prepare_input(x, kind, M, K, pre, norm_weight, eps, xs, threads);
+    for (int64_t i = 0; i < M * K; i += 8) store8(out, i, _mm256_loadu_ps(xs + i), kind);
+    free(xs);
+}
+
 static void weight_row(const float *x, int64_t M, int64_t K, const void *w, int kind, int64_t n, float *y,
                        int64_t N) {
     for (int64_t m = 0; m < M; m++) {
@@ -143,8 +153,8 @@ static void weight_row(const float *x, int64_t M, int64_t K, const void *w, int 
 /* the first `heads` heads of D of each output row rotated by its row of the rotary tables cos and sin_signed
  * [M, D]: x * cos + roll(x, D / 2) * sin_signed, each product and the sum rounded as torch's ops round
  * (D / 2 a multiple of 8) */
-static void rotate(void *out, int kind, int64_t M, int64_t N, const void *cos, const void *sin_signed,
-                   int64_t heads, int64_t head_dim, int threads) {
+void pagedchat_rotate(void *out, int kind, int64_t M, int64_t N, const void *cos, const void *sin_signed,
+                      int64_t heads, int64_t head_dim, int threads) {
     const int64_t half = head_dim / 2;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t m = 0; m < M; m++)
@@ -207,7 +217,7 @@ void pagedchat_linear(const void *x, int kind, int64_t M, int64_t K, int pre, co
             }
         }
     }
-    if (rotated_heads) rotate(out, kind, M, N, cos, sin_signed, rotated_heads, head_dim, threads);
+    if (rotated_heads) pagedchat_rotate(out, kind, M, N, cos, sin_signed, rotated_heads, head_dim, threads);
     free(xs);
     free(y);
 }

@@ -71,11 +71,13 @@ def test_the_product_is_the_exact_one_rounded_once(dtype, bias, gemm):
 @needs_gemm
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_the_fused_ops_are_torch_ops_around_the_exact_product(dtype, rows):
+@pytest.mark.parametrize("gemm_rows", [math.inf, 1])
+def test_the_fused_ops_are_torch_ops_around_the_exact_product(dtype, rows, gemm_rows):
     """cpu_gemm's norm before, silu(gate) * up before and residual add after the product, against torch's ops
     around a float64 product: within a rounding or two of the output and of each input (the fp32 sums of
     a norm may round an input the other way); its rotary after the product, against torch's rotary on
-    the product, exactly."""
+    the product, exactly. The same where oneDNN takes the product (gemm_rows 1) and cpu_gemm.c the ops
+    around it alone."""
     if cpu_gemm.kernel() is None:
         pytest.skip("no C compiler")
     gen = torch.Generator().manual_seed(rows)
@@ -86,7 +88,7 @@ def test_the_fused_ops_are_torch_ops_around_the_exact_product(dtype, rows):
     depth, width = 264, 100
     x, gate_up, residual = randn(rows, depth, scale=3), randn(rows, 2 * depth, scale=2), randn(rows, width)
     norm_weight, weight, bias = 1 + randn(depth, scale=0.1), randn(width, depth, scale=0.1), randn(width)
-    ops = LayerOps(CpuLinear(half_rows=0, gemm_rows=math.inf))
+    ops = LayerOps(CpuLinear(half_rows=0, gemm_rows=gemm_rows))
 
     def close(fused, inputs, plus):
         exact = plus.double() + F.linear(inputs.double(), weight.double(), bias.double())

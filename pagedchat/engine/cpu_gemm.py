@@ -15,15 +15,32 @@ cpu_flags = native.cpu_flags
 
 @functools.cache
 def kernel() -> ctypes._CFuncPtr | None:
-    """`pagedchat_linear` from the built library; None where the CPU lacks AVX2/FMA/F16C or it cannot be built."""
+    """`pagedchat_linear` from the built library; None where the CPU lacks AVX2/FMA/F16C or it cannot be built.
+    Where it is built, so are `pre_op` and `rotate_`."""
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     return native.avx2_function("cpu_gemm.c", "pagedchat_linear",
                                 [p, i32, i64, i64, i32, p, ctypes.c_float, p, i32, i64, p, p, p, p, p, i64, i64, i32])
 
 
+@functools.cache
+def _pre_op_kernel() -> ctypes._CFuncPtr:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    return native.avx2_function("cpu_gemm.c", "pagedchat_pre_op", [p, i32, i64, i64, i32, p, ctypes.c_float, p, i32])
+
+
+@functools.cache
+def _rotate_kernel() -> ctypes._CFuncPtr:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    return native.avx2_function("cpu_gemm.c", "pagedchat_rotate", [p, i32, i64, i64, p, p, i64, i64, i32])
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype in KINDS and weight.dtype in KINDS and weight.is_contiguous()
-            and weight.shape[1] % 8 == 0)
+    return takes(x, weight.shape[1]) and weight.dtype in KINDS and weight.is_contiguous()
+
+
+def takes(x: torch.Tensor, depth: int) -> bool:
+    """Whether the kernels take x as the input of a product of this depth."""
+    return x.device.type == "cpu" and x.dtype in KINDS and depth % 8 == 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -38,16 +55,45 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (rows, depth), width = x.shape, weight.shape[0]
     depth //= 2 if silu else 1
     out = x.new_empty(rows, width)
-    norm_weight, eps = (None, 0.0) if norm is None else (norm[0].to(x.dtype).contiguous(), norm[1])
+    norm_weight, eps = _norm_arguments(norm, x.dtype)
     bias = None if bias is None else bias.float().contiguous()
     residual = None if residual is None else residual.to(x.dtype).contiguous()
-    pre = PRE_SILU_MUL if silu else PRE_NONE if norm is None else PRE_RMS_NORM
     cos, sin, heads = (None, None, 0) if rotary is None else rotary
     cos, sin = (None if t is None else t.to(x.dtype).contiguous() for t in (cos, sin))
-    kernel()(x.data_ptr(), KINDS[x.dtype], rows, depth, pre, _pointer(norm_weight), eps, weight.data_ptr(),
-             KINDS[weight.dtype], width, _pointer(bias), _pointer(residual), out.data_ptr(), _pointer(cos),
-             _pointer(sin), heads, 0 if cos is None else cos.shape[1], torch.get_num_threads())
+    kernel()(x.data_ptr(), KINDS[x.dtype], rows, depth, _pre(norm, silu), _pointer(norm_weight), eps,
+             weight.data_ptr(), KINDS[weight.dtype], width, _pointer(bias), _pointer(residual), out.data_ptr(),
+             _pointer(cos), _pointer(sin), heads, 0 if cos is None else cos.shape[1], torch.get_num_threads())
     return out
+
+
+def pre_op(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, silu: bool = False) -> torch.Tensor:
+    """The pre-op of `linear` alone, in x's dtype, for a product that another library takes: [M, K] from x
+    [M, K] (the norm) or [M, 2K] (silu). The caller checks `takes` for K and that `kernel()` is built."""
+    x = x.contiguous()
+    rows, depth = x.shape
+    depth //= 2 if silu else 1
+    out = x.new_empty(rows, depth)
+    norm_weight, eps = _norm_arguments(norm, x.dtype)
+    _pre_op_kernel()(x.data_ptr(), KINDS[x.dtype], rows, depth, _pre(norm, silu), _pointer(norm_weight), eps,
+                     out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def rotate_(y: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, heads: int) -> torch.Tensor:
+    """y [M, N] (contiguous), its first heads of D rotated in place as `linear` rotates them."""
+    assert y.is_contiguous() and y.dtype in KINDS
+    cos, sin_signed = (t.to(y.dtype).contiguous() for t in (cos, sin_signed))
+    _rotate_kernel()(y.data_ptr(), KINDS[y.dtype], y.shape[0], y.shape[1], cos.data_ptr(), sin_signed.data_ptr(),
+                     heads, cos.shape[1], torch.get_num_threads())
+    return y
+
+
+def _pre(norm: tuple[torch.Tensor, float] | None, silu: bool) -> int:
+    return PRE_SILU_MUL if silu else PRE_NONE if norm is None else PRE_RMS_NORM
+
+
+def _norm_arguments(norm: tuple[torch.Tensor, float] | None, dtype: torch.dtype) -> tuple[torch.Tensor | None, float]:
+    return (None, 0.0) if norm is None else (norm[0].to(dtype).contiguous(), norm[1])
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:

@@ -41,10 +41,14 @@ class LayerOps:
         """rms_norm(x) @ weight.T + bias, its first heads then rotated by `rotary` (cos, sin_signed, heads)"""
         if self._fused(x, weight):
             return cpu_gemm.linear(x, weight, bias, norm=(norm_weight, eps), rotary=rotary)
-        y = self.linear(rms_norm(x, norm_weight, eps), weight, bias)
+        native = self._native(x, x.shape[1])
+        y = self.linear(cpu_gemm.pre_op(x, norm=(norm_weight, eps)) if native else rms_norm(x, norm_weight, eps),
+                        weight, bias)
         if rotary is None:
             return y
         cos, sin, heads = rotary
+        if native and y.is_contiguous():
+            return cpu_gemm.rotate_(y, cos, sin, heads)
         rows, dim = y.shape[0], cos.shape[1]
         y[:, : heads * dim] = rotate(y[:, : heads * dim].view(rows, heads, dim), cos, sin).flatten(1)
         return y
@@ -54,11 +58,20 @@ class LayerOps:
         """residual + (silu(gate) * up) @ weight.T + bias, gate_up = [gate | up]"""
         if self._fused(gate_up, weight):
             return cpu_gemm.linear(gate_up, weight, bias, residual=residual, silu=True)
+        if self._native(gate_up, weight.shape[1]):
+            return residual + self.linear(cpu_gemm.pre_op(gate_up, silu=True), weight, bias)
         gate, up = gate_up.chunk(2, dim=-1)
         return residual + self.linear(F.silu(gate) * up, weight, bias)
 
     def _fused(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return isinstance(self.linear, CpuLinear) and self.linear.uses_gemm(x, weight)
+
+    def _native(self, x: torch.Tensor, depth: int) -> bool:
+        """Whether the ops around a product that cpu_gemm does not take are cpu_gemm.c's alone (oneDNN's product
+        on a CPU with bf16 instructions): one call each, where torch's would be up to ten of fixed cost. Not
+        where torch's own product is taken (a few rows without cpu_gemm), which torch's ops go around."""
+        return (isinstance(self.linear, CpuLinear) and x.shape[0] > self.linear.half_rows
+                and cpu_gemm.kernel() is not None and cpu_gemm.takes(x, depth))
 
 
 TORCH_OPS = LayerOps(F.linear)
