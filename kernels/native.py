@@ -21,6 +21,9 @@ HEADERS = ["avx2.h"]
 # no contraction into FMAs where torch rounds a product before a sum (rotary, norms)
 AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 AVX2_CPU_FLAGS = {"avx2", "fma", "f16c"}
+AVX512_BF16_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
+AVX512_BF16_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+ISAS = {"avx2": (AVX2_CPU_FLAGS, AVX2_FLAGS), "avx512_bf16": (AVX512_BF16_CPU_FLAGS, AVX512_BF16_FLAGS)}
 KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the `kind` of avx2.h
 
 
@@ -34,29 +37,35 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
-def avx2_function(name: str, symbol: str, argtypes: list) -> ctypes._CFuncPtr | None:
-    """`symbol` (returning void) of `avx2_library(name)`, or None where that is None."""
-    library = avx2_library(name)
-    if library is None:
+def function(name: str, symbol: str, argtypes: list, isa: str = "avx2") -> ctypes._CFuncPtr | None:
+    """`symbol` (returning void) of `library(name, isa)`, or None where that is None."""
+    built = library(name, isa)
+    if built is None:
         return None
-    fn = getattr(library, symbol)
+    fn = getattr(built, symbol)
     fn.argtypes = argtypes
     fn.restype = None
     return fn
 
 
 @functools.cache
-def avx2_library(name: str) -> ctypes.CDLL | None:
-    """The AVX2 library built from this folder's C file `name`; None where the CPU lacks AVX2/FMA/F16C or it
-    cannot be built."""
-    if not AVX2_CPU_FLAGS <= cpu_flags():
+def library(name: str, isa: str = "avx2") -> ctypes.CDLL | None:
+    """The library built for `isa` (a key of ISAS) from this folder's C file `name`; None where the CPU lacks
+    that instruction set or it cannot be built."""
+    needed, flags = ISAS[isa]
+    if not needed <= cpu_flags():
         return None
     try:
-        return ctypes.CDLL(str(_built(HERE / name, AVX2_FLAGS)))
+        return ctypes.CDLL(str(_built(HERE / name, flags)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", None) or exc
         log.warning("%s could not be built (%s); torch's own ops stand in", name, detail)
         return None
+
+
+def pointer(tensor: torch.Tensor | None) -> int | None:
+    """A tensor's data as a C pointer argument; None for NULL."""
+    return None if tensor is None else tensor.data_ptr()
 
 
 def _built(source: Path, flags: list[str]) -> Path:

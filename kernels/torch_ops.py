@@ -252,7 +252,7 @@ def _attend_lone(part: _Lone, query, key_cache, value_cache, scale, out) -> None
 @functools.cache
 def _native_decode() -> ctypes._CFuncPtr | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    return native.avx2_function("cpu_attention.c", "pagedchat_decode_attention",
+    return native.function("cpu_attention.c", "pagedchat_decode_attention",
                                 [p, i64, p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_float,
                                  p, i64, p, i64, p, i64, p, ctypes.c_int])
 

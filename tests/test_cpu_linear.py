@@ -1,5 +1,5 @@
-"""The CPU matmuls: pagedchat's AVX2 kernel (cpu_gemm.c) in fp32, oneDNN in fp32 or natively in bf16,
-each rounded once, and torch's own product for a row or two of bf16."""
+"""The CPU matmuls: pagedchat's AVX2 kernel (cpu_gemm.c) in fp32, its avx512_bf16 kernel (cpu_gemm_bf16.c),
+oneDNN in fp32 or natively in bf16, each rounded once, and torch's own product for a row or two of bf16."""
 
 import math
 import shutil
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedchat.engine import cpu_gemm, cpu_linear
+from pagedchat.engine import cpu_gemm, cpu_gemm_bf16, cpu_linear
 from pagedchat.engine.cpu_linear import CpuLinear, linear_for
 from pagedchat.engine.layer_ops import TORCH_OPS, LayerOps, rms_norm, rotate
 
@@ -123,7 +123,7 @@ def test_a_weight_the_kernel_does_not_take_goes_to_onednn():
 
 
 def routes(linear) -> tuple:
-    return linear.half_rows, linear.gemm_rows, linear.onednn.dtype
+    return linear.half_rows, linear.gemm_rows, linear.onednn.dtype, linear.packed_bf16 is not None
 
 
 def test_the_matmul_follows_the_dtype_and_the_cpu(monkeypatch):
@@ -131,18 +131,25 @@ def test_the_matmul_follows_the_dtype_and_the_cpu(monkeypatch):
     monkeypatch.setattr(cpu_linear, "cpu_has_fast_bf16", lambda: False)
     monkeypatch.setattr(cpu_gemm, "kernel", lambda: object())
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
-    assert routes(linear_for(torch.bfloat16, cpu)) == (0, math.inf, torch.float32)
-    assert routes(linear_for(torch.float32, cpu)) == (0, math.inf, torch.float32)
+    monkeypatch.setattr(cpu_gemm_bf16, "kernel", lambda: object())
+    assert routes(linear_for(torch.bfloat16, cpu)) == (0, math.inf, torch.float32, False)
+    assert routes(linear_for(torch.float32, cpu)) == (0, math.inf, torch.float32, False)
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx512f"}))
-    assert routes(linear_for(torch.float32, cpu)) == (0, 1, torch.float32)  # oneDNN's AVX-512 past one row
-    assert routes(linear_for(torch.bfloat16, cpu)) == (0, math.inf, torch.float32)
+    assert routes(linear_for(torch.float32, cpu)) == (0, 1, torch.float32, False)  # oneDNN's AVX-512 past one row
+    assert routes(linear_for(torch.bfloat16, cpu)) == (0, math.inf, torch.float32, False)
     monkeypatch.setattr(cpu_linear, "cpu_has_fast_bf16", lambda: True)
-    assert routes(linear_for(torch.bfloat16, cpu)) == (0, 1, torch.bfloat16)  # oneDNN's bf16 past one row
+    # cpu_gemm_bf16 past one row
+    assert routes(linear_for(torch.bfloat16, cpu)) == (0, 1, torch.bfloat16, True)
     assert linear_for(torch.float16, cpu) is F.linear
+    assert routes(linear_for(torch.float32, cpu)) == (0, 1, torch.float32, False)
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx512f", "amx_bf16"}))
+    assert routes(linear_for(torch.bfloat16, cpu)) == (0, 1, torch.bfloat16, False)  # oneDNN's, which takes AMX
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c", "avx512f"}))
+    monkeypatch.setattr(cpu_gemm_bf16, "kernel", lambda: None)
     monkeypatch.setattr(cpu_gemm, "kernel", lambda: None)  # no compiler
-    assert routes(linear_for(torch.bfloat16, cpu)) == (0, 0, torch.bfloat16)
+    assert routes(linear_for(torch.bfloat16, cpu)) == (0, 0, torch.bfloat16, False)
     monkeypatch.setattr(cpu_linear, "cpu_has_fast_bf16", lambda: False)
-    assert routes(linear_for(torch.bfloat16, cpu)) == (cpu_linear.MAX_HALF_ROWS, 0, torch.float32)
+    assert routes(linear_for(torch.bfloat16, cpu)) == (cpu_linear.MAX_HALF_ROWS, 0, torch.float32, False)
     assert linear_for(torch.float32, torch.device("meta")) is F.linear
 
 
@@ -161,3 +168,25 @@ def test_the_native_bf16_product_is_the_exact_one_rounded_once(rows):
     # one bf16 rounding of the result, plus fp32 accumulation over 576 products
     assert ((product.double() - exact).abs() <= torch.finfo(torch.bfloat16).eps * exact.abs() + 1e-5 * scale).all()
     assert len(linear.onednn.reordered) == 1
+
+
+@pytest.mark.skipif(cpu_gemm_bf16.kernel() is None, reason="the CPU lacks avx512_bf16 (or no C compiler)")
+@pytest.mark.parametrize("rows", [1, 2, 5, 12, 13, 16, 40])
+@pytest.mark.parametrize("width, depth", [(300, 576), (70, 200), (33, 1538)])  # partial panels; odd pairs
+def test_the_packed_bf16_product_is_the_exact_one_rounded_once(rows, width, depth):
+    """cpu_gemm_bf16.c on its packed weight: within one bf16 rounding of the exact product plus the fp32
+    accumulation; the residual added after that rounding, as torch adds it to a bf16 product."""
+    gen = torch.Generator().manual_seed(rows * width)
+    weight = torch.randn(width, depth, generator=gen).bfloat16()
+    bias = torch.randn(width, generator=gen).bfloat16()
+    x = torch.randn(rows, depth, generator=gen).bfloat16()
+    residual = torch.randn(rows, width, generator=gen).bfloat16()
+    linear = CpuLinear(half_rows=0, gemm_rows=0, onednn_dtype=torch.bfloat16, packed_bf16=True)
+    product = linear(x, weight, bias)
+    assert product.dtype == torch.bfloat16 and product.shape == (rows, width)
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    scale = F.linear(x.double().abs(), weight.double().abs()) + bias.double().abs()
+    assert ((product.double() - exact).abs() <= torch.finfo(torch.bfloat16).eps * exact.abs() + 1e-5 * scale).all()
+    packed = linear.packed_bf16.reordered[id(weight)]
+    assert len(linear.packed_bf16.reordered) == 1 and not linear.onednn.reordered
+    assert torch.equal(cpu_gemm_bf16.linear(x, packed, width, bias, residual), residual + product)

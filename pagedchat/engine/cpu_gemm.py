@@ -18,20 +18,20 @@ def kernel() -> ctypes._CFuncPtr | None:
     """`pagedchat_linear` from the built library; None where the CPU lacks AVX2/FMA/F16C or it cannot be built.
     Where it is built, so are `pre_op` and `rotate_`."""
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    return native.avx2_function("cpu_gemm.c", "pagedchat_linear",
+    return native.function("cpu_gemm.c", "pagedchat_linear",
                                 [p, i32, i64, i64, i32, p, ctypes.c_float, p, i32, i64, p, p, p, p, p, i64, i64, i32])
 
 
 @functools.cache
 def _pre_op_kernel() -> ctypes._CFuncPtr:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    return native.avx2_function("cpu_gemm.c", "pagedchat_pre_op", [p, i32, i64, i64, i32, p, ctypes.c_float, p, i32])
+    return native.function("cpu_gemm.c", "pagedchat_pre_op", [p, i32, i64, i64, i32, p, ctypes.c_float, p, i32])
 
 
 @functools.cache
 def _rotate_kernel() -> ctypes._CFuncPtr:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    return native.avx2_function("cpu_gemm.c", "pagedchat_rotate", [p, i32, i64, i64, p, p, i64, i64, i32])
+    return native.function("cpu_gemm.c", "pagedchat_rotate", [p, i32, i64, i64, p, p, i64, i64, i32])
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -60,9 +60,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     residual = None if residual is None else residual.to(x.dtype).contiguous()
     cos, sin, heads = (None, None, 0) if rotary is None else rotary
     cos, sin = (None if t is None else t.to(x.dtype).contiguous() for t in (cos, sin))
-    kernel()(x.data_ptr(), KINDS[x.dtype], rows, depth, _pre(norm, silu), _pointer(norm_weight), eps,
-             weight.data_ptr(), KINDS[weight.dtype], width, _pointer(bias), _pointer(residual), out.data_ptr(),
-             _pointer(cos), _pointer(sin), heads, 0 if cos is None else cos.shape[1], torch.get_num_threads())
+    kernel()(x.data_ptr(), KINDS[x.dtype], rows, depth, _pre(norm, silu), native.pointer(norm_weight), eps,
+             weight.data_ptr(), KINDS[weight.dtype], width, native.pointer(bias), native.pointer(residual), out.data_ptr(),
+             native.pointer(cos), native.pointer(sin), heads, 0 if cos is None else cos.shape[1], torch.get_num_threads())
     return out
 
 
@@ -74,7 +74,7 @@ def pre_op(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, silu
     depth //= 2 if silu else 1
     out = x.new_empty(rows, depth)
     norm_weight, eps = _norm_arguments(norm, x.dtype)
-    _pre_op_kernel()(x.data_ptr(), KINDS[x.dtype], rows, depth, _pre(norm, silu), _pointer(norm_weight), eps,
+    _pre_op_kernel()(x.data_ptr(), KINDS[x.dtype], rows, depth, _pre(norm, silu), native.pointer(norm_weight), eps,
                      out.data_ptr(), torch.get_num_threads())
     return out
 
@@ -95,6 +95,3 @@ def _pre(norm: tuple[torch.Tensor, float] | None, silu: bool) -> int:
 def _norm_arguments(norm: tuple[torch.Tensor, float] | None, dtype: torch.dtype) -> tuple[torch.Tensor | None, float]:
     return (None, 0.0) if norm is None else (norm[0].to(dtype).contiguous(), norm[1])
 
-
-def _pointer(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()

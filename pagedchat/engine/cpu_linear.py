@@ -10,15 +10,19 @@ with weights cold in memory, as in a step, at 1 / 4 / 16 rows, 2 threads:
   32.6 ms at 2 threads, 38.5 against 51.4 at one (121 matmuls, medians of 12). So bf16 layers use
   cpu_gemm at every row count; without it, torch's product for up to two rows, oneDNN past that.
 - fp32: cpu_gemm 43 / 46 / 72 ms against oneDNN's 55 / 53 / 79 (MKL's `F.linear`: 72 / - / 106).
-Measured on a 2-core machine with avx512f and avx512_bf16, the same 121 matmuls, 2 threads (1 / 4 / 16 rows):
+Measured on a 2-core machine with avx512f and avx512_bf16 (AMD Zen 5), the same 121 matmuls, 2 threads
+(1 / 4 / 16 rows):
 - bf16: oneDNN's native bf16 product on weights it reordered once: 7.7-11 / 12.7 / 11-18 ms; torch's own
   `F.linear`, which calls oneDNN on the weight as it is: 16 / - / 21; cpu_gemm, AVX2 only: 7.2-9.3 / 20.6 /
-  29-46. So cpu_gemm for one row (whose neighbouring ops it also fuses), oneDNN past that.
+  29-46; pagedchat's avx512_bf16 matmul (cpu_gemm_bf16.c) on weights packed for it once: 6.4 / 6.2 / 8.2
+  against oneDNN's 7.8 / 7.9 / 10.9 in the same run (32 rows 12.2 / 16.0, 600 rows 188 / 196). So cpu_gemm
+  for one row (whose neighbouring ops it also fuses), cpu_gemm_bf16 past that.
 - fp32: cpu_gemm 14.4 / 17.8 / 29.7 against oneDNN's 18.3 / 15.3 / 20.2: cpu_gemm for one row only.
 fp16 on such a CPU: torch's own product. Where cpu_gemm cannot be built (no C compiler), the layers
 multiply through oneDNN (on fp32 copies of half-precision weights, but for bf16 with bf16 instructions).
 Either way a half-precision product is rounded to the model's dtype once, as a bf16 matmul rounds its
-fp32 accumulator.
+fp32 accumulator. The packed and the reordered copies are made at a weight's first use; a model keeps one
+of them beside its own weights.
 """
 
 import math
@@ -27,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedchat.engine import cpu_gemm
+from pagedchat.engine import cpu_gemm, cpu_gemm_bf16
 
 MAX_HALF_ROWS = 2
 REORDER_BATCH_HINT = 64  # the batch size oneDNN lays a reordered weight out for; any batch may use it
@@ -41,7 +45,9 @@ def linear_for(dtype: torch.dtype, device: torch.device) -> Linear:
         return F.linear
     gemm = cpu_gemm.kernel() is not None
     if dtype == torch.bfloat16 and cpu_has_fast_bf16():
-        return CpuLinear(half_rows=0, gemm_rows=1 if gemm else 0, onednn_dtype=torch.bfloat16)
+        # where AMX multiplies, oneDNN's product (which takes it) stays: not measured here
+        packed = "amx_bf16" not in cpu_gemm.cpu_flags() and cpu_gemm_bf16.kernel() is not None
+        return CpuLinear(half_rows=0, gemm_rows=1 if gemm else 0, onednn_dtype=torch.bfloat16, packed_bf16=packed)
     if dtype != torch.float32 and cpu_has_fast_bf16():
         return F.linear
     if dtype == torch.float32 and "avx512f" in cpu_gemm.cpu_flags():
@@ -68,15 +74,34 @@ class OneDnnProduct:
                                                   None if bias is None else bias.to(self.dtype), "none", [], "")
 
 
+class PackedBf16Product:
+    """x @ weight.T + bias of bf16 tensors by cpu_gemm_bf16.c, on copies of the weights packed for it at their
+    first use, keyed like OneDnnProduct's."""
+
+    dtype = torch.bfloat16
+
+    def __init__(self) -> None:
+        self.reordered: dict[int, torch.Tensor] = {}
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        packed = self.reordered.get(id(weight))
+        if packed is None:
+            packed = self.reordered[id(weight)] = cpu_gemm_bf16.pack(weight)
+        return cpu_gemm_bf16.linear(x, packed, weight.shape[0], bias)
+
+
 class CpuLinear:
     """x @ weight.T + bias, by row count: up to `half_rows` rows torch's own product on the weight as it is;
-    then up to `gemm_rows` rows cpu_gemm (where it takes the weight), in fp32; past that oneDNN in
-    `onednn_dtype`. Rounded once to x's dtype. One instance serves one model."""
+    then up to `gemm_rows` rows cpu_gemm (where it takes the weight), in fp32; past that, with `packed_bf16`,
+    cpu_gemm_bf16 (where it takes the weight), else oneDNN in `onednn_dtype`. Rounded once to x's dtype. One
+    instance serves one model."""
 
-    def __init__(self, half_rows: int, gemm_rows: float, onednn_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, half_rows: int, gemm_rows: float, onednn_dtype: torch.dtype = torch.float32,
+                 packed_bf16: bool = False) -> None:
         self.half_rows = half_rows
         self.gemm_rows = gemm_rows
         self.onednn = OneDnnProduct(onednn_dtype)
+        self.packed_bf16 = PackedBf16Product() if packed_bf16 else None
 
     def uses_gemm(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return self.half_rows < x.shape[0] <= self.gemm_rows and cpu_gemm.supports(x, weight)
@@ -84,8 +109,11 @@ class CpuLinear:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.numel() <= self.half_rows * weight.shape[1]:
             return F.linear(x, weight, bias)
-        out = cpu_gemm.linear(x, weight, bias) if self.uses_gemm(x, weight) else self.onednn(x, weight, bias)
-        return out.to(x.dtype)
+        if self.uses_gemm(x, weight):
+            return cpu_gemm.linear(x, weight, bias)
+        if self.packed_bf16 is not None and cpu_gemm_bf16.supports(x, weight):
+            return self.packed_bf16(x, weight, bias)
+        return self.onednn(x, weight, bias).to(x.dtype)
 
 
 def widens_matmuls(dtype: torch.dtype, device: torch.device) -> bool:

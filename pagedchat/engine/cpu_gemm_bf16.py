@@ -1,0 +1,50 @@
+"""The avx512_bf16 matmul of kernels/cpu_gemm_bf16.c, on weights packed for it, built and loaded by
+`pagedchat.kernels.native`."""
+
+import ctypes
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from pagedchat.kernels import native
+
+PANEL = 32  # the columns of a packed panel, as cpu_gemm_bf16.c reads them
+
+
+@functools.cache
+def kernel() -> ctypes._CFuncPtr | None:
+    """`pagedchat_linear_bf16` from the built library; None where the CPU lacks avx512_bf16 or it cannot be
+    built."""
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    return native.function("cpu_gemm_bf16.c", "pagedchat_linear_bf16", [p, i64, i64, p, i64, p, p, p, i32],
+                           isa="avx512_bf16")
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.shape[1] % 2 == 0)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] as cpu_gemm_bf16.c reads it: panels of PANEL columns (the last padded with zeros), in
+    each the depth pairs (2j, 2j + 1) of its columns side by side."""
+    width, depth = weight.shape
+    padded = F.pad(weight, (0, 0, 0, -width % PANEL))
+    return padded.view(-1, PANEL, depth // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, width: int, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + x [M, K] @ weight [width, K]^T + bias in bf16, from the weight's `pack`: its products summed
+    in fp32, rounded once (then the residual added, rounded again). The caller checks `supports` and that
+    `kernel()` is built."""
+    x = x.contiguous()
+    rows, depth = x.shape
+    out = x.new_empty(rows, width)
+    bias = None if bias is None else bias.float().contiguous()
+    residual = None if residual is None else residual.to(x.dtype).contiguous()
+    kernel()(x.data_ptr(), rows, depth, packed.data_ptr(), width, native.pointer(bias), native.pointer(residual),
+             out.data_ptr(), torch.get_num_threads())
+    return out
+
