@@ -41,6 +41,13 @@ def test_update_follows_what_others_used(monkeypatch):
         clock["busy"] += 10 * threads._CLOCK_TICKS
         policy.update()
         assert torch.get_num_threads() == 2
+        # idle for a minute while others were busy (a server between requests): that minute is not counted
+        clock["t"] += 60.0
+        clock["busy"] += 60 * 2 * threads._CLOCK_TICKS
+        policy.update()
+        assert torch.get_num_threads() == 2
+        assert second(others=0.0, own=2.0) == 2
+        assert second(others=1.0, own=1.0) == 1
     finally:
         torch.set_num_threads(before)
 

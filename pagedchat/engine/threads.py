@@ -4,7 +4,9 @@ On a machine shared with other jobs, an OpenMP thread that gets descheduled make
 at a barrier: beside one busy neighbour process on the 2-core machines, one chat decoded at 8.9 tokens/s
 with 2 threads and 26 with 1 (bench.peer_bench). So the engine counts the CPU time the rest of the machine used over the last
 interval (/proc/stat's busy time less this process's own, /proc/self/stat) and computes with the cores
-that are left, never fewer than one.
+that are left, never fewer than one. An interval that the engine spent idle (a server between requests)
+tells nothing of the load it will now compute beside, so it is dropped: the count stays, and the next
+interval starts.
 """
 
 import os
@@ -13,6 +15,7 @@ import time
 import torch
 
 CHECK_INTERVAL_S = 1.0
+STALE_AFTER_S = 3 * CHECK_INTERVAL_S  # no update for this long: the engine was idle
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -56,6 +59,9 @@ class ThreadPolicy:
 
     def update(self) -> None:
         if not self.available or time.monotonic() - self._last[0] < CHECK_INTERVAL_S:
+            return
+        if time.monotonic() - self._last[0] > STALE_AFTER_S:
+            self._last = self._sample()
             return
         threads = self.threads_for(self.measure())
         if threads != torch.get_num_threads():
