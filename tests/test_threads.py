@@ -46,8 +46,16 @@ def test_update_follows_what_others_used(monkeypatch):
         clock["busy"] += 60 * 2 * threads._CLOCK_TICKS
         policy.update()
         assert torch.get_num_threads() == 2
+        clock["t"] += 0.3  # decided anew soon after: others busy a core meanwhile
+        clock["own"] += int(0.3 * threads._CLOCK_TICKS)
+        clock["busy"] += int(0.3 * 2 * threads._CLOCK_TICKS)
+        policy.update()
+        assert torch.get_num_threads() == 1
+        clock["t"] += 0.3  # then at the usual interval again
+        clock["busy"] += int(0.3 * 2 * threads._CLOCK_TICKS)
+        policy.update()
+        assert torch.get_num_threads() == 1
         assert second(others=0.0, own=2.0) == 2
-        assert second(others=1.0, own=1.0) == 1
     finally:
         torch.set_num_threads(before)
 

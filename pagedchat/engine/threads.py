@@ -5,8 +5,8 @@ at a barrier: beside one busy neighbour process on the 2-core machines, one chat
 with 2 threads and 26 with 1 (bench.peer_bench). So the engine counts the CPU time the rest of the machine used over the last
 interval (/proc/stat's busy time less this process's own, /proc/self/stat) and computes with the cores
 that are left, never fewer than one. An interval that the engine spent idle (a server between requests)
-tells nothing of the load it will now compute beside, so it is dropped: the count stays, and the next
-interval starts.
+tells nothing of the load it will now compute beside, so it is dropped, and the count is decided anew
+after a short interval of computing.
 """
 
 import os
@@ -16,6 +16,7 @@ import torch
 
 CHECK_INTERVAL_S = 1.0
 STALE_AFTER_S = 3 * CHECK_INTERVAL_S  # no update for this long: the engine was idle
+RESUMED_INTERVAL_S = 0.25  # long enough for /proc/stat's ticks (10 ms) to tell a busy core from an idle one
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -33,12 +34,14 @@ def _own_ticks() -> int:
 
 
 class ThreadPolicy:
-    """Sets torch's thread count to the free cores, at most once per `CHECK_INTERVAL_S`; `update()` each step."""
+    """Sets torch's thread count to the free cores, at most once per `CHECK_INTERVAL_S` (`RESUMED_INTERVAL_S` once
+    resumed from idle); `update()` each step."""
 
     def __init__(self, cores: int | None = None):
         self.cores = cores or len(os.sched_getaffinity(0))
         self.available = os.path.exists("/proc/stat")
         self._last = self._sample() if self.available else None
+        self._interval = CHECK_INTERVAL_S
 
     def _sample(self) -> tuple[float, int, int]:
         return time.monotonic(), _machine_busy_ticks(), _own_ticks()
@@ -58,11 +61,15 @@ class ThreadPolicy:
         return busy
 
     def update(self) -> None:
-        if not self.available or time.monotonic() - self._last[0] < CHECK_INTERVAL_S:
+        if not self.available:
             return
-        if time.monotonic() - self._last[0] > STALE_AFTER_S:
-            self._last = self._sample()
+        elapsed = time.monotonic() - self._last[0]
+        if elapsed > STALE_AFTER_S:
+            self._last, self._interval = self._sample(), RESUMED_INTERVAL_S
             return
+        if elapsed < self._interval:
+            return
+        self._interval = CHECK_INTERVAL_S
         threads = self.threads_for(self.measure())
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
