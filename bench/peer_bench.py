@@ -177,13 +177,13 @@ def busy_neighbour() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
-def wait_until_quiet(limit_s: float = 60.0) -> None:
-    """Until the rest of the machine keeps under a quarter of a core busy over a second (the peers' last
+def wait_until_quiet(limit_s: float = 60.0, interval_s: float = 1.0) -> None:
+    """Until the rest of the machine keeps under a quarter of a core busy over `interval_s` (the peers' last
     processes gone), at most `limit_s`: the quiet rows must not start beside their exit."""
     deadline = time.monotonic() + limit_s
     policy = ThreadPolicy()
     while time.monotonic() < deadline:
-        time.sleep(1.0)
+        time.sleep(interval_s)
         if policy.measure() < 0.25:
             return
 

@@ -10,7 +10,10 @@ Every server runs as its own subprocess on 127.0.0.1 at a free port, with as man
 the largest N; they are started one after another, each waited for (`/health`), then all warmed up, and
 at the end (also on errors) stopped: SIGTERM to each one's process group, SIGKILL after a timeout. The
 rounds take turns, one engine at a time, the order rotating from round to round: on a machine shared
-with other jobs, whose load drifts over minutes, each engine gets a share of every stretch. The clients are httpx tasks in one asyncio loop, all released at once: each POSTs
+with other jobs, whose load drifts over minutes, each engine gets a share of every stretch. Each round
+starts once the machine is quiet (under a quarter of a core busy for a quarter second, at most 10 s):
+vLLM's server keeps a core busy for about a second after its last stream, which would otherwise fall on
+the round after its own. The clients are httpx tasks in one asyncio loop, all released at once: each POSTs
 `/v1/completions` with the same prompt token ids (bench/throughput.py's 16 chat prompts, cycled for
 N > 16), `max_tokens` fixed, greedy, EOS ignored, `stream: true` with `stream_options.include_usage`;
 a stream's tokens are its `usage.completion_tokens` (else its token chunks) and must equal `max_tokens`.
@@ -295,6 +298,7 @@ async def measure_all(servers: list["Server"], workloads: dict[int, list[Request
             done: dict[str, list[Round]] = {srv.peer: [] for srv in live}
             for i in range(rounds):
                 for srv in rotated(list(live) + ([None] if paired else []), i):
+                    peer_bench.wait_until_quiet(limit_s=10.0, interval_s=0.25)
                     if srv is None:
                         try:
                             paired.measure(n, requests)
@@ -607,7 +611,8 @@ def section(args, machine: str, workloads: dict[int, list[Request]], servers: di
         f"the rounds' wall seconds (on the cores the server uses; pagedchat's thread policy counts it as busy)",
         f"total tokens/s = generated tokens / (last chunk - first send), best of {args.rounds} rounds; TTFT = send to "
         f"the first token chunk, p50/p95 over the {args.rounds} x N streams; the engines' rounds take turns, the "
-        f"order rotating; warm-up per engine: one chat for {args.warmup_s:g} s, then {max(workloads)} x 4 tokens",
+        f"order rotating, each round started once the machine is quiet (the rest under a quarter of a core over "
+        f"0.25 s, at most 10 s); warm-up per engine: one chat for {args.warmup_s:g} s, then {max(workloads)} x 4 tokens",
         "server start to healthy: " + ", ".join(
             f"{LABELS[p]} {r['load_s']:.0f} s" for p, r in servers.items() if "load_s" in r),
     ]
