@@ -9,8 +9,12 @@
  * rows the product waits on the weight coming from memory, so the first pass over a panel prefetches
  * PREFETCH_AHEAD values ahead. The panels are split between the OpenMP threads, which are torch's own, as
  * many as the caller says. K must be even.
+ *
+ * Beside it, the ops around such a product in bf16, as cpu_gemm.c's pre-ops and rotary do them (each product
+ * and sum rounded where torch's ops round), 16 lanes at a time and rounded by VCVTNEPS2BF16 in one instruction.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 #define PANEL 32
@@ -90,4 +94,86 @@ void pagedchat_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
             }
         }
     }
+}
+
+static inline __m512 rounded_bf16(__m512 v) {  /* v as a bf16 tensor holds it */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded16(v)), 16));
+}
+
+static inline __mmask16 first(int64_t n) {
+    return n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
+}
+
+/* e^x for 16 floats, Cephes' polynomial, as avx2.h's exp8 */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647949f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(scale));
+}
+
+enum { PRE_RMS_NORM = 1, PRE_SILU_MUL = 2 };  /* as in cpu_gemm.c */
+
+/* out [M, K] = transformers' RMSNorm of x by norm_weight (PRE_RMS_NORM), or silu(gate) * up of x = [gate | up]
+ * [M, 2K] (PRE_SILU_MUL) */
+void pagedchat_pre_op_bf16(const uint16_t *x, int64_t M, int64_t K, int pre, const uint16_t *norm_weight,
+                           float eps, uint16_t *out, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        uint16_t *row = out + m * K;
+        if (pre == PRE_SILU_MUL) {
+            const uint16_t *gate = x + m * 2 * K, *up = gate + K;
+            for (int64_t k = 0; k < K; k += 16) {
+                __mmask16 mask = first(K - k);
+                __m512 g = widen16(gate + k, mask);
+                __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+                _mm256_mask_storeu_epi16(row + k, mask, rounded16(_mm512_mul_ps(rounded_bf16(silu), widen16(up + k, mask))));
+            }
+            continue;
+        }
+        const uint16_t *in = x + m * K;
+        __m512 squares = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16) {
+            __m512 v = widen16(in + k, first(K - k));
+            squares = _mm512_fmadd_ps(v, v, squares);
+        }
+        __m512 inverse = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)K + eps));
+        for (int64_t k = 0; k < K; k += 16) {
+            __mmask16 mask = first(K - k);
+            __m512 normed = rounded_bf16(_mm512_mul_ps(widen16(in + k, mask), inverse));
+            _mm256_mask_storeu_epi16(row + k, mask, rounded16(_mm512_mul_ps(widen16(norm_weight + k, mask), normed)));
+        }
+    }
+}
+
+/* the first `heads` heads of D of each row of y [M, N] rotated in place by its row of cos and sin_signed [M, D]:
+ * y * cos + roll(y, D / 2) * sin_signed, each product and the sum rounded as torch's ops round */
+void pagedchat_rotate_bf16(uint16_t *y, int64_t M, int64_t N, const uint16_t *cos, const uint16_t *sin_signed,
+                           int64_t heads, int64_t head_dim, int threads) {
+    const int64_t half = head_dim / 2;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t d = 0; d < half; d += 16) {
+                const __mmask16 mask = first(half - d);
+                uint16_t *at = y + m * N + h * head_dim + d;
+                const int64_t table = m * head_dim + d;
+                __m512 one = widen16(at, mask), two = widen16(at + half, mask);
+                __m512 a = rounded_bf16(_mm512_mul_ps(one, widen16(cos + table, mask)));
+                __m512 b = rounded_bf16(_mm512_mul_ps(two, widen16(sin_signed + table, mask)));
+                __m512 c = rounded_bf16(_mm512_mul_ps(two, widen16(cos + table + half, mask)));
+                __m512 e = rounded_bf16(_mm512_mul_ps(one, widen16(sin_signed + table + half, mask)));
+                _mm256_mask_storeu_epi16(at, mask, rounded16(_mm512_add_ps(a, b)));
+                _mm256_mask_storeu_epi16(at + half, mask, rounded16(_mm512_add_ps(c, e)));
+            }
 }

@@ -21,7 +21,8 @@ HEADERS = ["avx2.h"]
 # no contraction into FMAs where torch rounds a product before a sum (rotary, norms)
 AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 AVX2_CPU_FLAGS = {"avx2", "fma", "f16c"}
-AVX512_BF16_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
+AVX512_BF16_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-ffp-contract=off", "-fopenmp",
+                     "-shared", "-fPIC"]
 AVX512_BF16_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
 ISAS = {"avx2": (AVX2_CPU_FLAGS, AVX2_FLAGS), "avx512_bf16": (AVX512_BF16_CPU_FLAGS, AVX512_BF16_FLAGS)}
 KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the `kind` of avx2.h

@@ -5,6 +5,7 @@ import functools
 
 import torch
 
+from pagedchat.engine import cpu_gemm_bf16
 from pagedchat.kernels import native
 
 KINDS = native.KINDS
@@ -68,21 +69,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def pre_op(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, silu: bool = False) -> torch.Tensor:
     """The pre-op of `linear` alone, in x's dtype, for a product that another library takes: [M, K] from x
-    [M, K] (the norm) or [M, 2K] (silu). The caller checks `takes` for K and that `kernel()` is built."""
+    [M, K] (the norm) or [M, 2K] (silu); bf16 on a CPU with avx512_bf16 by cpu_gemm_bf16.c's, 16 lanes at a
+    time. The caller checks `takes` for K and that `kernel()` is built."""
     x = x.contiguous()
     rows, depth = x.shape
     depth //= 2 if silu else 1
-    out = x.new_empty(rows, depth)
     norm_weight, eps = _norm_arguments(norm, x.dtype)
+    if x.dtype == torch.bfloat16 and cpu_gemm_bf16.kernel() is not None:
+        return cpu_gemm_bf16.pre_op(x, _pre(norm, silu), norm_weight, eps, depth)
+    out = x.new_empty(rows, depth)
     _pre_op_kernel()(x.data_ptr(), KINDS[x.dtype], rows, depth, _pre(norm, silu), native.pointer(norm_weight), eps,
                      out.data_ptr(), torch.get_num_threads())
     return out
 
 
 def rotate_(y: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, heads: int) -> torch.Tensor:
-    """y [M, N] (contiguous), its first heads of D rotated in place as `linear` rotates them."""
+    """y [M, N] (contiguous), its first heads of D rotated in place as `linear` rotates them (bf16 as
+    `pre_op` does it)."""
     assert y.is_contiguous() and y.dtype in KINDS
     cos, sin_signed = (t.to(y.dtype).contiguous() for t in (cos, sin_signed))
+    if y.dtype == torch.bfloat16 and cpu_gemm_bf16.kernel() is not None:
+        return cpu_gemm_bf16.rotate_(y, cos, sin_signed, heads)
     _rotate_kernel()(y.data_ptr(), KINDS[y.dtype], y.shape[0], y.shape[1], cos.data_ptr(), sin_signed.data_ptr(),
                      heads, cos.shape[1], torch.get_num_threads())
     return y

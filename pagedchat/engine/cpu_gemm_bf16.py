@@ -15,9 +15,23 @@ PANEL = 32  # the columns of a packed panel, as cpu_gemm_bf16.c reads them
 @functools.cache
 def kernel() -> ctypes._CFuncPtr | None:
     """`pagedchat_linear_bf16` from the built library; None where the CPU lacks avx512_bf16 or it cannot be
-    built."""
+    built. Where it is built, so are `pre_op` and `rotate_`."""
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     return native.function("cpu_gemm_bf16.c", "pagedchat_linear_bf16", [p, i64, i64, p, i64, p, p, p, i32],
+                           isa="avx512_bf16")
+
+
+@functools.cache
+def _pre_op_kernel() -> ctypes._CFuncPtr:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    return native.function("cpu_gemm_bf16.c", "pagedchat_pre_op_bf16", [p, i64, i64, i32, p, ctypes.c_float, p, i32],
+                           isa="avx512_bf16")
+
+
+@functools.cache
+def _rotate_kernel() -> ctypes._CFuncPtr:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    return native.function("cpu_gemm_bf16.c", "pagedchat_rotate_bf16", [p, i64, i64, p, p, i64, i64, i32],
                            isa="avx512_bf16")
 
 
@@ -48,3 +62,18 @@ def linear(x: torch.Tensor, packed: torch.Tensor, width: int, bias: torch.Tensor
              out.data_ptr(), torch.get_num_threads())
     return out
 
+
+
+def pre_op(x: torch.Tensor, pre: int, norm_weight: torch.Tensor | None, eps: float, depth: int) -> torch.Tensor:
+    """cpu_gemm.pre_op for a contiguous bf16 x, its arguments as cpu_gemm prepared them."""
+    out = x.new_empty(x.shape[0], depth)
+    _pre_op_kernel()(x.data_ptr(), x.shape[0], depth, pre, native.pointer(norm_weight), eps, out.data_ptr(),
+                     torch.get_num_threads())
+    return out
+
+
+def rotate_(y: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, heads: int) -> torch.Tensor:
+    """cpu_gemm.rotate_ for a contiguous bf16 y and contiguous bf16 tables."""
+    _rotate_kernel()(y.data_ptr(), y.shape[0], y.shape[1], cos.data_ptr(), sin_signed.data_ptr(), heads, cos.shape[1],
+                     torch.get_num_threads())
+    return y
