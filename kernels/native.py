@@ -17,7 +17,7 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-HEADERS = ["avx2.h"]
+HEADERS = ["avx2.h", "avx512.h"]
 # no contraction into FMAs where torch rounds a product before a sum (rotary, norms)
 AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 AVX2_CPU_FLAGS = {"avx2", "fma", "f16c"}

@@ -10,7 +10,8 @@ whatever its size, so the plan keeps the calls per layer few:
   view of the cache when its blocks are consecutive (else one gather of its blocks), cut to its
   length, so no mask and no padding are needed;
 - where cpu_attention.c is built (AVX2), every sequence with a single query (a chat decoding) is attended
-  there, all in one call, reading its K/V in place through its block table: no gather, no padding;
+  there, all in one call, reading its K/V in place through its block table: no gather, no padding (a bf16
+  cache on a CPU with avx512_bf16: cpu_attention_bf16.c, the same call);
 - several such sequences otherwise form one padded SDPA batch, gathered whole blocks at a time, with an explicit
   mask; the slots past each length that come along are zeroed, since whatever an unused slot holds
   (maybe NaN) would survive a mask: 0 * NaN = NaN.
@@ -249,12 +250,22 @@ def _attend_lone(part: _Lone, query, key_cache, value_cache, scale, out) -> None
     out[part.start:part.end] = o.view(num_kv_heads, q_len, group_size, head_dim).transpose(0, 1).flatten(1, 2)
 
 
+DECODE_ARGUMENTS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64,
+                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+
+
 @functools.cache
 def _native_decode() -> ctypes._CFuncPtr | None:
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    return native.function("cpu_attention.c", "pagedchat_decode_attention",
-                                [p, i64, p, p, p, p, i64, p, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_float,
-                                 p, i64, p, i64, p, i64, p, ctypes.c_int])
+    return native.function("cpu_attention.c", "pagedchat_decode_attention", DECODE_ARGUMENTS)
+
+
+@functools.cache
+def _native_decode_bf16() -> ctypes._CFuncPtr | None:
+    """cpu_attention_bf16.c's, with the same arguments: a bf16 cache on a CPU with avx512_bf16."""
+    return native.function("cpu_attention_bf16.c", "pagedchat_decode_attention_bf16", DECODE_ARGUMENTS,
+                           isa="avx512_bf16")
 
 
 def _decodes_in_place(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
@@ -271,7 +282,9 @@ def _attend_decode(part: _Decode, query, key_cache, value_cache, scale, out,
     num_q_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
     key, value, slots = (None, None, None) if new is None else new
-    _native_decode()(query.data_ptr(), query.stride(0), part.rows.data_ptr(), key_cache.data_ptr(),
+    bf16 = query.dtype == torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 256
+    attend = _native_decode_bf16() if bf16 and _native_decode_bf16() is not None else _native_decode()
+    attend(query.data_ptr(), query.stride(0), part.rows.data_ptr(), key_cache.data_ptr(),
                      value_cache.data_ptr(), part.block_tables.data_ptr(), part.block_tables.shape[1],
                      part.seq_lens.data_ptr(), len(part.rows), num_q_heads, num_kv_heads, head_dim, block_size,
                      native.KINDS[query.dtype], scale, out.data_ptr(), out.stride(0),

@@ -201,12 +201,14 @@ def test_lone_chunk_on_consecutive_blocks_reads_the_cache_in_place():
 
 @needs_avx2
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_decoding_sequences_are_attended_in_place_through_their_tables(dtype):
-    """cpu_attention.c: every single-query sequence of a step in one call, beside a prompt and a chunk, over
-    shuffled blocks whose slots past each length hold NaN, with 1, 3 and 4 query heads per KV head."""
+@pytest.mark.parametrize("head_dim", [64, 72, 80, 128])  # bf16 with avx512_bf16: 72 is cpu_attention.c's
+def test_decoding_sequences_are_attended_in_place_through_their_tables(dtype, head_dim):
+    """cpu_attention.c (cpu_attention_bf16.c for bf16 where the CPU has avx512_bf16): every single-query
+    sequence of a step in one call, beside a prompt and a chunk, over shuffled blocks whose slots past each
+    length hold NaN, with 1, 3 and 4 query heads per KV head."""
     for heads, kv_heads in ((4, 4), (9, 3), (8, 2)):
         seqs = [(1, 1), (33, 1), (12, 12), (70, 6), (200, 1), (17, 1)]
-        batch = make_batch(seqs, 64, 16, dtype, heads, kv_heads, seed=heads)
+        batch = make_batch(seqs, head_dim, 16, dtype, heads, kv_heads, seed=heads)
         expected = reference_attention(**batch)
         key, value, metadata = step_inputs(batch)
         out = torch_ops.attention(batch["query"], key, value, batch["key_cache"], batch["value_cache"], metadata,
