@@ -226,6 +226,8 @@ async def test_clicking_a_block_shows_what_it_holds(make_app):
         await reply_done(pilot, pane)
         await panel_caught_up(pilot, app)
         grid = app.query_one(BlockGrid)
+        # the panel draws the snapshot before the layout gives the grid its rows: a click then lands above it
+        await wait_until(pilot, lambda: grid.region.height > 0, what="the grid laid out")
         await pilot.click(BlockGrid, offset=(grid._gutter, 0))
         await wait_until(pilot, lambda: grid.cursor == 0, what="block 0 selected")
         detail = str(app.query_one(BlockDetail).render())
