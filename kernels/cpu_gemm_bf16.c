@@ -1,6 +1,5 @@
-/* out [M, N] = x [M, K] @ w [N, K]^T (+ bias) (+ residual), all bf16 (bias fp32), for CPUs with avx512_bf16:
- * the products of bf16 pairs summed in fp32 by VDPBF16PS, as oneDNN's bf16 product sums them, and rounded once
- * to bf16 (then the residual added and rounded again, as torch adds it to a bf16 product).
+/* out [M, N] = x [M, K] @ w [N, K]^T (+ bias), all bf16 (bias fp32), for CPUs with avx512_bf16: the products
+ * of bf16 pairs summed in fp32 by VDPBF16PS, as oneDNN's bf16 product sums them, and rounded once to bf16.
  *
  * The weight comes packed by `pack` (cpu_gemm_bf16.py): panels of 32 columns, in each the pairs of depths
  * 2j, 2j+1 of the 32 columns side by side (64 values, two registers), so a thread reads its panels in memory
@@ -40,22 +39,16 @@ static inline __attribute__((always_inline)) void panel_pass(const uint16_t *x, 
     }
 }
 
-/* out[m, n0 : n0 + 16] (its first `columns`) from an accumulator: + bias, rounded, + residual, rounded */
-static inline void finish(__m512 sum, int64_t at, int64_t n0, int64_t columns, const float *bias,
-                          const uint16_t *residual, uint16_t *out) {
+/* out[m, n0 : n0 + 16] (its first `columns`) from an accumulator: + bias, rounded */
+static inline void finish(__m512 sum, int64_t at, int64_t n0, int64_t columns, const float *bias, uint16_t *out) {
     if (columns <= 0) return;
-    __mmask16 mask = columns >= 16 ? 0xffff : (__mmask16)((1u << columns) - 1);
+    __mmask16 mask = first(columns);
     if (bias) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, bias + n0));
-    __m256i v = rounded16(sum);
-    if (residual) {
-        __m512 r = widen16(residual + at, mask);
-        v = rounded16(_mm512_add_ps(r, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16))));
-    }
-    _mm256_mask_storeu_epi16(out + at, mask, v);
+    _mm256_mask_storeu_epi16(out + at, mask, rounded16(sum));
 }
 
 void pagedchat_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
-                           const float *bias, const uint16_t *residual, uint16_t *out, int threads) {
+                           const float *bias, uint16_t *out, int threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL, passes = (M + MR - 1) / MR, per_pass = (M + passes - 1) / passes;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t p = 0; p < panels; p++) {
@@ -81,8 +74,8 @@ void pagedchat_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
             }
             for (int m = 0; m < rows; m++) {
                 const int64_t at = (m0 + m) * N + n0;
-                finish(acc[m][0], at, n0, N - n0, bias, residual, out);
-                finish(acc[m][1], at + 16, n0 + 16, N - n0 - 16, bias, residual, out);
+                finish(acc[m][0], at, n0, N - n0, bias, out);
+                finish(acc[m][1], at + 16, n0 + 16, N - n0 - 16, bias, out);
             }
         }
     }

@@ -283,7 +283,7 @@ def _attend_decode(part: _Decode, query, key_cache, value_cache, scale, out,
     block_size, num_kv_heads = key_cache.shape[1:3]
     key, value, slots = (None, None, None) if new is None else new
     bf16 = query.dtype == torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 256
-    attend = _native_decode_bf16() if bf16 and _native_decode_bf16() is not None else _native_decode()
+    attend = (_native_decode_bf16() if bf16 else None) or _native_decode()
     attend(query.data_ptr(), query.stride(0), part.rows.data_ptr(), key_cache.data_ptr(),
                      value_cache.data_ptr(), part.block_tables.data_ptr(), part.block_tables.shape[1],
                      part.seq_lens.data_ptr(), len(part.rows), num_q_heads, num_kv_heads, head_dim, block_size,

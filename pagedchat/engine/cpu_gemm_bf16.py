@@ -17,7 +17,7 @@ def kernel() -> ctypes._CFuncPtr | None:
     """`pagedchat_linear_bf16` from the built library; None where the CPU lacks avx512_bf16 or it cannot be
     built. Where it is built, so are `pre_op` and `rotate_`."""
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    return native.function("cpu_gemm_bf16.c", "pagedchat_linear_bf16", [p, i64, i64, p, i64, p, p, p, i32],
+    return native.function("cpu_gemm_bf16.c", "pagedchat_linear_bf16", [p, i64, i64, p, i64, p, p, i32],
                            isa="avx512_bf16")
 
 
@@ -48,20 +48,16 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, PANEL, depth // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, width: int, bias: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """residual + x [M, K] @ weight [width, K]^T + bias in bf16, from the weight's `pack`: its products summed
-    in fp32, rounded once (then the residual added, rounded again). The caller checks `supports` and that
-    `kernel()` is built."""
+def linear(x: torch.Tensor, packed: torch.Tensor, width: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [width, K]^T + bias in bf16, from the weight's `pack`: its products summed in fp32,
+    rounded once. The caller checks `supports` and that `kernel()` is built."""
     x = x.contiguous()
     rows, depth = x.shape
     out = x.new_empty(rows, width)
     bias = None if bias is None else bias.float().contiguous()
-    residual = None if residual is None else residual.to(x.dtype).contiguous()
-    kernel()(x.data_ptr(), rows, depth, packed.data_ptr(), width, native.pointer(bias), native.pointer(residual),
-             out.data_ptr(), torch.get_num_threads())
+    kernel()(x.data_ptr(), rows, depth, packed.data_ptr(), width, native.pointer(bias), out.data_ptr(),
+             torch.get_num_threads())
     return out
-
 
 
 def pre_op(x: torch.Tensor, pre: int, norm_weight: torch.Tensor | None, eps: float, depth: int) -> torch.Tensor:

@@ -78,8 +78,6 @@ class PackedBf16Product:
     """x @ weight.T + bias of bf16 tensors by cpu_gemm_bf16.c, on copies of the weights packed for it at their
     first use, keyed like OneDnnProduct's."""
 
-    dtype = torch.bfloat16
-
     def __init__(self) -> None:
         self.reordered: dict[int, torch.Tensor] = {}
 

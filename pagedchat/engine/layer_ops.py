@@ -67,9 +67,10 @@ class LayerOps:
         return isinstance(self.linear, CpuLinear) and self.linear.uses_gemm(x, weight)
 
     def _native(self, x: torch.Tensor, depth: int) -> bool:
-        """Whether the ops around a product that cpu_gemm does not take are cpu_gemm.c's alone (oneDNN's product
-        on a CPU with bf16 instructions): one call each, where torch's would be up to ten of fixed cost. Not
-        where torch's own product is taken (a few rows without cpu_gemm), which torch's ops go around."""
+        """Whether the ops around a product that cpu_gemm does not take (cpu_gemm_bf16's or oneDNN's, past one
+        row on a CPU with avx512f) are the C kernels' alone: one call each, where torch's would be up to ten
+        of fixed cost. Not where torch's own product is taken (a few rows without cpu_gemm), which torch's
+        ops go around."""
         return (isinstance(self.linear, CpuLinear) and x.shape[0] > self.linear.half_rows
                 and cpu_gemm.kernel() is not None and cpu_gemm.takes(x, depth))
 
