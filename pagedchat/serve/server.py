@@ -51,7 +51,7 @@ class ServerState:
 
 
 def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
-    def authorize(request: Request) -> None:
+    async def authorize(request: Request) -> None:  # async: a plain def would run in a worker thread
         if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
             raise ApiError(401, "invalid or missing API key")
 
