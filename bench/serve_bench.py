@@ -356,7 +356,7 @@ def group_cpu_s(pgid: int) -> float:
 
 def client_event_loop() -> str:
     """uvloop where it is installed (the serve extra brings it): the clients share the cores with the server
-    they measure, and on asyncio's own loop httpx took ~25% more CPU a chunk."""
+    they measure, and httpx took ~30% less CPU a chunk on uvloop than on asyncio's own loop."""
     return "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
 
 
