@@ -15,8 +15,9 @@ starts once the machine is quiet (under a quarter of a core busy for a quarter s
 vLLM's server keeps a core busy for about a second after its last stream, which would otherwise fall on
 the round after its own. The clients are httpx tasks in one event loop (uvloop's where installed), all
 released at once: each POSTs `/v1/completions` with the same prompt token ids (bench/throughput.py's 16
-chat prompts, cycled for N > 16), `max_tokens` fixed, greedy, EOS ignored, `stream: true` with `stream_options.include_usage`;
-a stream's tokens are its `usage.completion_tokens` (else its token chunks) and must equal `max_tokens`.
+chat prompts, cycled for N > 16), `max_tokens` fixed, greedy, EOS ignored, `stream: true` with
+`stream_options.include_usage`; a stream's tokens are its `usage.completion_tokens` (else its token
+chunks) and must equal `max_tokens`.
 Prefix caching is off everywhere, so every engine prefills every prompt token.
 
 - total tokens/s: all generated tokens / (last chunk received - first request sent), best of the rounds;
