@@ -24,7 +24,9 @@ AVX2_CPU_FLAGS = {"avx2", "fma", "f16c"}
 AVX512_BF16_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-ffp-contract=off", "-fopenmp",
                      "-shared", "-fPIC"]
 AVX512_BF16_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
-ISAS = {"avx2": (AVX2_CPU_FLAGS, AVX2_FLAGS), "avx512_bf16": (AVX512_BF16_CPU_FLAGS, AVX512_BF16_FLAGS)}
+ISAS = {"avx2": (AVX2_CPU_FLAGS, AVX2_FLAGS), "avx512_bf16": (AVX512_BF16_CPU_FLAGS, AVX512_BF16_FLAGS),
+        # any CPU: the compiler's default target (SSE2 on x86-64)
+        "portable": (set(), ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"])}
 KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the `kind` of avx2.h
 
 

@@ -1,0 +1,634 @@
+/* y [M, N] (fp32, rows ldy apart) = x [M, K] @ W [N, K]^T, where W is a GGUF tensor of type Q8_0, Q4_0, Q4_1,
+ * Q4_K, Q5_K or Q6_K as the file holds it (N rows of ggml's blocks), multiplied where it lies, with no
+ * dequantized copy: a model's weights stay 4.5-8.5 bits a value in memory, and one chat's decode, bound by the
+ * bytes it streams, reads 2-4x fewer than in bf16.
+ *
+ * x (fp32, bf16 or fp16) is first quantized per row to 8 bits, as llama.cpp pairs it with each type: blocks
+ * of 32 with an fp32 scale (and d * the sum of the block, which Q4_0's offset and Q4_1's min multiply) for
+ * the types of 32, blocks of 256 with an fp32 scale and the sums of each 16 (which the K-quants' mins and
+ * Q6_K's offset multiply) for the K-quants. A weight block against an x block is then a dot product of
+ * bytes in integers (u8 x s8 pairs summed to s16, then s32: AVX2's maddubs and madd), scaled in fp32 once
+ * per block (once per 256 values for the K-quants, whose sub-block scales are integers applied by madd).
+ *
+ * The weight rows are split between the OpenMP threads in contiguous ranges; a thread takes its range in
+ * tiles small enough to stay in L2, and multiplies each row of a tile against MR rows of x at a time (their
+ * bytes stay in L1 across the tile), so the weights are read from memory once a call whatever M is, and each
+ * weight block is unpacked once per MR rows of x.
+ *
+ * One file, built per instruction set: with -mavx2 -mfma -mf16c the AVX2 kernels below; without, the
+ * portable ones (plain C, which unpacks each weight block into bytes and lets the compiler vectorise the
+ * dot products as it can), for any CPU.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__)
+#include "avx2.h"
+#else
+enum { KIND_BF16 = 0, KIND_FP16 = 1, KIND_FP32 = 2 };  /* avx2.h's kinds, which the AVX2 build takes from it */
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* ggml_type */
+#define MR 4              /* rows of x multiplied against each weight row in one pass */
+#define TILE_BYTES 65536  /* the weight bytes of a tile (L2-resident while all of x passes over it) */
+#define ALWAYS static inline __attribute__((always_inline))
+
+/* ggml's blocks; fp16 fields as their bits */
+typedef struct { uint16_t d; int8_t qs[32]; } block_q8_0;
+typedef struct { uint16_t d; uint8_t qs[16]; } block_q4_0;            /* value l: low nibble of qs[l], l + 16: high */
+typedef struct { uint16_t d, m; uint8_t qs[16]; } block_q4_1;
+typedef struct { uint16_t d, dmin; uint8_t scales[12], qs[128]; } block_q4_K;
+typedef struct { uint16_t d, dmin; uint8_t scales[12], qh[32], qs[128]; } block_q5_K;
+typedef struct { uint8_t ql[128], qh[64]; int8_t scales[16]; uint16_t d; } block_q6_K;
+_Static_assert(sizeof(block_q8_0) == 34 && sizeof(block_q4_0) == 18 && sizeof(block_q4_1) == 20, "ggml layout");
+_Static_assert(sizeof(block_q4_K) == 144 && sizeof(block_q5_K) == 176 && sizeof(block_q6_K) == 210, "ggml layout");
+
+/* x quantized: q [M, K]; for the types of 32, d and ds (d * the block's sum) [M, K / 32]; for the K-quants,
+ * d [M, K / 256] and the sums of each `sum_group(type)` values [M, K / group] */
+typedef struct {
+    int8_t *q;
+    float *d, *ds;
+    int16_t *sums;
+    int64_t K;
+} acts;
+
+static int block_values(int type) { return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32; }
+
+/* the values that each sum of x covers: as many as share a min (Q4_K, Q5_K) or a scale (Q6_K) */
+static int sum_group(int type) { return type == Q6_K ? 16 : 32; }
+
+static int64_t block_bytes(int type) {
+    switch (type) {
+    case Q4_0: return sizeof(block_q4_0);
+    case Q4_1: return sizeof(block_q4_1);
+    case Q8_0: return sizeof(block_q8_0);
+    case Q4_K: return sizeof(block_q4_K);
+    case Q5_K: return sizeof(block_q5_K);
+    default: return sizeof(block_q6_K);
+    }
+}
+
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0x1f) u = sign | 0x7f800000 | (man << 13);
+    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);
+    else {  /* zero or subnormal: man * 2^-24, exactly */
+        float f = (float)man * 0x1p-24f;
+        memcpy(&u, &f, 4);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+static inline int32_t load32(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline float half_at(const uint8_t *p) {  /* the fp16 at p, which a block's layout may leave unaligned */
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return half_to_float(h);
+}
+
+/* Q4_K's and Q5_K's 12 packed bytes as 8 6-bit scales (out[0:8]) and 8 mins (out[8:16]) */
+static inline void k_scales(const uint8_t *packed, uint8_t out[16]) {
+    uint32_t s[3], u[4];
+    memcpy(s, packed, 12);
+    u[0] = s[0] & 0x3f3f3f3f;
+    u[1] = (s[2] & 0x0f0f0f0f) | ((s[0] >> 2) & 0x30303030);
+    u[2] = s[1] & 0x3f3f3f3f;
+    u[3] = ((s[2] >> 4) & 0x0f0f0f0f) | ((s[1] >> 2) & 0x30303030);
+    memcpy(out, u, 16);
+}
+
+/* A block of 32 as bytes: value l = d * q[l] + m */
+typedef struct { float d, m; int8_t q[32]; } small_block;
+
+static void unpack_small(int type, const uint8_t *src, small_block *o) {
+    o->d = half_at(src);
+    o->m = type == Q4_1 ? half_at(src + 2) : 0.0f;
+    if (type == Q8_0) {
+        memcpy(o->q, src + 2, 32);
+        return;
+    }
+    const uint8_t *qs = src + (type == Q4_1 ? 4 : 2);
+    const int offset = type == Q4_0 ? 8 : 0;
+    for (int l = 0; l < 16; l++) {
+        o->q[l] = (int8_t)((qs[l] & 15) - offset);
+        o->q[l + 16] = (int8_t)((qs[l] >> 4) - offset);
+    }
+}
+
+/* A K-quant block of 256 as bytes: value i = d * sc[i / 16] * q[i] - dmin * mn[i / 32] */
+typedef struct { float d, dmin; int8_t q[256]; int16_t sc[16], mn[8]; } k_block;
+
+static void unpack_k(int type, const uint8_t *src, k_block *o) {
+    if (type == Q6_K) {
+        const block_q6_K *b = (const block_q6_K *)src;
+        o->d = half_at(src + offsetof(block_q6_K, d));
+        o->dmin = 0.0f;
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 32; l++) {
+                const int a = b->ql[64 * h + l], c = b->ql[64 * h + 32 + l], hb = b->qh[32 * h + l];
+                int8_t *q = o->q + 128 * h + l;
+                q[0] = (int8_t)(((a & 15) | (hb & 3) << 4) - 32);
+                q[32] = (int8_t)(((c & 15) | (hb >> 2 & 3) << 4) - 32);
+                q[64] = (int8_t)(((a >> 4) | (hb >> 4 & 3) << 4) - 32);
+                q[96] = (int8_t)(((c >> 4) | (hb >> 6) << 4) - 32);
+            }
+        for (int g = 0; g < 16; g++) o->sc[g] = b->scales[g];
+        memset(o->mn, 0, sizeof(o->mn));
+        return;
+    }
+    const int five = type == Q5_K;
+    const uint8_t *qs = src + (five ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs));
+    const uint8_t *qh = src + offsetof(block_q5_K, qh);
+    uint8_t sm[16];
+    o->d = half_at(src);
+    o->dmin = half_at(src + 2);
+    k_scales(src + 4, sm);
+    for (int j = 0; j < 4; j++)
+        for (int l = 0; l < 32; l++) {
+            int lo = qs[32 * j + l] & 15, hi = qs[32 * j + l] >> 4;
+            if (five) {
+                lo |= (qh[l] >> (2 * j) & 1) << 4;
+                hi |= (qh[l] >> (2 * j + 1) & 1) << 4;
+            }
+            o->q[64 * j + l] = (int8_t)lo;
+            o->q[64 * j + 32 + l] = (int8_t)hi;
+        }
+    for (int g = 0; g < 16; g++) o->sc[g] = sm[g / 2];
+    for (int j = 0; j < 8; j++) o->mn[j] = sm[8 + j];
+}
+
+/* the block's values in fp32, rounded as gguf's dequantizer rounds them ((d * scale) * q - dmin * min) */
+static void dequantize_block(int type, const uint8_t *src, float *out) {
+    if (block_values(type) == 32) {
+        small_block b;
+        unpack_small(type, src, &b);
+        for (int l = 0; l < 32; l++) out[l] = b.d * (float)b.q[l] + b.m;
+        return;
+    }
+    k_block b;
+    unpack_k(type, src, &b);
+    for (int g = 0; g < 16; g++) {
+        const float ds = b.d * (float)b.sc[g], dm = b.dmin * (float)b.mn[g / 2];
+        for (int l = 0; l < 16; l++) out[16 * g + l] = ds * (float)b.q[16 * g + l] - dm;
+    }
+}
+
+#if !defined(__AVX2__)  /* avx2.h has its own */
+static inline float widen(const void *p, int64_t i, int kind) {
+    if (kind == KIND_FP32) return ((const float *)p)[i];
+    const uint16_t h = ((const uint16_t *)p)[i];
+    if (kind == KIND_FP16) return half_to_float(h);
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+#endif
+
+/* Blocks of qb (32 or 256) of row x: q = round(x * 127 / amax) to nearest even, d = amax / 127 */
+static void quantize_row(const void *x, int kind, int64_t K, int qb, int8_t *q, float *d) {
+    for (int64_t b0 = 0; b0 < K; b0 += qb) {
+#if defined(__AVX2__)
+        float v[256] __attribute__((aligned(32)));
+        __m256 mx = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (int i = 0; i < qb; i += 8) {
+            const __m256 xi = load8(x, b0 + i, kind);
+            _mm256_store_ps(v + i, xi);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, xi));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const __m256 id = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (int i = 0; i < qb; i += 32) {  /* cvtps rounds to nearest even, as MXCSR is left */
+            const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(v + i), id));
+            const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(v + i + 8), id));
+            const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(v + i + 16), id));
+            const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(v + i + 24), id));
+            /* the packs interleave 4-value groups of the 128-bit halves; the permute puts them back in order */
+            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            _mm256_storeu_si256((__m256i *)(q + b0 + i), _mm256_permutevar8x32_epi32(p, order));
+        }
+#else
+        float v[256], amax = 0.0f;
+        for (int i = 0; i < qb; i++) {
+            v[i] = widen(x, b0 + i, kind);
+            amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+        }
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        for (int i = 0; i < qb; i++) q[b0 + i] = (int8_t)lrintf(v[i] * id);
+#endif
+        d[b0 / qb] = amax / 127.0f;
+    }
+}
+
+static void quantize_acts(const void *x, int kind, int64_t m, const acts *a, int qb, int group) {
+    const int64_t K = a->K;
+    int8_t *q = a->q + m * K;
+    quantize_row((const char *)x + m * K * (kind == KIND_FP32 ? 4 : 2), kind, K, qb, q, a->d + m * (K / qb));
+    if (qb == 32)
+        for (int64_t b = 0; b < K / 32; b++) {
+            int s = 0;
+            for (int l = 0; l < 32; l++) s += q[32 * b + l];
+            a->ds[m * (K / 32) + b] = a->d[m * (K / 32) + b] * (float)s;
+        }
+    else
+        for (int64_t g = 0; g < K / group; g++) {
+            int s = 0;
+            for (int l = 0; l < group; l++) s += q[group * g + l];
+            a->sums[m * (K / group) + g] = (int16_t)s;
+        }
+}
+
+/* Each kernel: y[r * ldy] = weight row w . x row m0 + r, for r < mr (at most MR), mr a constant where the
+ * kernel is inlined, so that its accumulators live in registers. */
+
+#if defined(__AVX2__)
+
+/* every 16-bit lane of each 128-bit half: lane j of that half */
+ALWAYS __m256i lane16(__m256i v, int j) {
+    return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)((2 * j + 1) << 8 | 2 * j)));
+}
+
+ALWAYS float sum4(__m128 v) {
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+/* splat[v]: v in every 16-bit lane, for the 6-bit scales of Q4_K and Q5_K */
+#define SPLAT1(v) {v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}
+#define SPLAT4(v) SPLAT1(v), SPLAT1(v + 1), SPLAT1(v + 2), SPLAT1(v + 3)
+#define SPLAT16(v) SPLAT4(v), SPLAT4(v + 4), SPLAT4(v + 8), SPLAT4(v + 12)
+static const int16_t splat[64][16] __attribute__((aligned(32))) = {SPLAT16(0), SPLAT16(16), SPLAT16(32), SPLAT16(48)};
+
+/* The 8 scales (bytes 0-7) and 8 mins (8-15) that Q4_K's and Q5_K's 12 packed bytes at p hold, as k_scales
+ * unpacks them, from a 16-byte load (the block goes on past them) */
+ALWAYS __m128i k_scales_simd(const uint8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    /* low bits: scales 0-3, the low nibbles of 4-7, mins 0-3, the high nibbles of 4-7; then the top 2 bits of
+     * scales and mins 0-3 as bits 4-5 of 4-7 */
+    const __m128i low = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i keep = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+    const __m128i high_nibbles = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
+    return _mm_or_si128(_mm_or_si128(_mm_and_si128(low, keep), _mm_and_si128(_mm_srli_epi16(low, 4), high_nibbles)),
+                        _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
+}
+
+/* Sub-blocks 2j and 2j + 1 of a Q4_K or Q5_K block (the low and high nibbles of its 32 bytes from qs + 32j,
+ * bit 2j and 2j + 1 of each qh byte above them) against the mr rows of x, into isum */
+ALWAYS void q45_k_pair(const uint8_t *qs, __m256i *high, int j, uint32_t sc_lo, uint32_t sc_hi, const int8_t *xq,
+                       int64_t K, const int mr, const int five, __m256i *isum) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+    __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+    if (five) {
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(*high, _mm256_set1_epi8(1)), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(*high, _mm256_set1_epi8(2)), 3));
+        *high = _mm256_srli_epi16(*high, 2);
+    }
+    const uint32_t pair = (j < 2 ? sc_lo : sc_hi) >> (16 * (j & 1));
+    const __m256i scale_lo = _mm256_load_si256((const __m256i *)splat[pair & 0xff]);
+    const __m256i scale_hi = _mm256_load_si256((const __m256i *)splat[pair >> 8 & 0xff]);
+    for (int r = 0; r < mr; r++) {
+        const int8_t *x = xq + r * K + 64 * j;
+        const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+                                              scale_lo);
+        const __m256i phi = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 32))), scale_hi);
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(plo, phi));
+    }
+}
+
+/* Q4_K and Q5_K: sub-blocks of 32 with 6-bit scales and mins; the x sums of 32 carry the mins */
+ALWAYS void rows_q45_k(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy,
+                       const int five) {
+    const int64_t K = a->K, nb = K / 256, size = five ? sizeof(block_q5_K) : sizeof(block_q4_K);
+    __m256 acc[MR];
+    __m128 acc_min[MR];
+    for (int r = 0; r < mr; r++) {
+        acc[r] = _mm256_setzero_ps();
+        acc_min[r] = _mm_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * size;
+        const uint8_t *qs = blk + (five ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs));
+        const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(load32(blk)));  /* d, dmin */
+        /* the scales unpacked by the integer units (as k_scales does) and broadcast by loads from `splat`:
+         * the vector shuffle units are the unpacking's bottleneck */
+        const uint32_t p0 = load32(blk + 4), p1 = load32(blk + 8), p2 = load32(blk + 12);
+        const uint32_t sc_lo = p0 & 0x3f3f3f3f, sc_hi = (p2 & 0x0f0f0f0f) | ((p0 >> 2) & 0x30303030);
+        const uint32_t mn_lo = p1 & 0x3f3f3f3f, mn_hi = ((p2 >> 4) & 0x0f0f0f0f) | ((p1 >> 2) & 0x30303030);
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)((uint64_t)mn_hi << 32 | mn_lo)));
+        __m256i high = five ? _mm256_loadu_si256((const __m256i *)(blk + offsetof(block_q5_K, qh))) : _mm256_setzero_si256();
+        const int8_t *xq = a->q + m0 * K + 256 * b;
+        __m256i isum[MR];
+        for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
+        if (mr == 1)
+            for (int j = 0; j < 4; j++) q45_k_pair(qs, &high, j, sc_lo, sc_hi, xq, K, mr, five, isum);
+        else {
+            #pragma GCC unroll 1  /* unrolled, gcc spills the products of all four pairs to the stack */
+            for (int j = 0; j < 4; j++) q45_k_pair(qs, &high, j, sc_lo, sc_hi, xq, K, mr, five, isum);
+        }
+        for (int r = 0; r < mr; r++) {
+            const __m128 f = _mm_mul_ps(dd, _mm_broadcast_ss(a->d + (m0 + r) * nb + b));  /* d, dmin times x's d */
+            const __m128i sums = _mm_loadu_si128((const __m128i *)(a->sums + ((m0 + r) * nb + b) * 8));
+            acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(f), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+            acc_min[r] = _mm_fmadd_ps(_mm_permute_ps(f, 0x55), _mm_cvtepi32_ps(_mm_madd_epi16(mins, sums)),
+                                      acc_min[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++) y[r * ldy] = sum8(acc[r]) - sum4(acc_min[r]);
+}
+
+ALWAYS void rows_q4_k(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    rows_q45_k(w, a, m0, mr, y, ldy, 0);
+}
+
+ALWAYS void rows_q5_k(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    rows_q45_k(w, a, m0, mr, y, ldy, 1);
+}
+
+/* Q6_K: sub-blocks of 16 with int8 scales; values 0..63 less 32, the 32 carried by the x sums of 16 */
+ALWAYS void rows_q6_k(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    const int64_t K = a->K, nb = K / 256;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[MR];
+    for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const block_q6_K *blk = (const block_q6_K *)(w + b * sizeof(block_q6_K));
+        const float d = half_at(w + b * sizeof(block_q6_K) + offsetof(block_q6_K, d));
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)blk->scales);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        __m256i isum[MR];
+        for (int r = 0; r < mr; r++) {
+            const int16_t *sums = a->sums + ((m0 + r) * nb + b) * 16;
+            const __m256i offsets = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)sums));
+            isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offsets, 5));
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256i qa = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h));
+            const __m256i qb = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk->qh + 32 * h));
+            /* the 4 groups of 32 of this half: low or high nibbles of ql, bits 2g, 2g + 1 of qh on top */
+            __m256i q[4], s[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(qa, low4),
+                                   _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x03)), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(qb, low4),
+                                   _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C)), 2));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), low4),
+                                   _mm256_and_si256(qh, _mm256_set1_epi8(0x30)));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
+                                   _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8((char)0xC0)), 2));
+            for (int g = 0; g < 4; g++) {  /* scales 2k, 2k + 1 of its two sub-blocks, each over 8 lanes */
+                const int k = 4 * h + g;
+                const __m128i pick = _mm_set_epi64x(0x0101010101010101LL * (2 * k + 1), 0x0101010101010101LL * (2 * k));
+                s[g] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick));
+            }
+            for (int r = 0; r < mr; r++) {
+                const int8_t *xq = a->q + (m0 + r) * K + 256 * b + 128 * h;
+                __m256i p[4];
+                for (int g = 0; g < 4; g++)
+                    p[g] = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(q[g], _mm256_loadu_si256((const __m256i *)(xq + 32 * g))), s[g]);
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]),
+                                                                      _mm256_add_epi32(p[2], p[3])));
+            }
+        }
+        for (int r = 0; r < mr; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a->d[(m0 + r) * nb + b]), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+    }
+    for (int r = 0; r < mr; r++) y[r * ldy] = sum8(acc[r]);
+}
+
+/* A weight block of 32 against the mr rows of x: its 32 values as bytes `wq` (unsigned, or signed with
+ * `signed_w`), scaled by dw; acc[r] its chain of fp32 sums */
+ALWAYS void small_step(__m256i wq, int signed_w, float dw, const acts *a, int64_t m0, const int mr, int64_t b,
+                       __m256 *acc) {
+    const int64_t K = a->K, nb = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    /* maddubs takes unsigned x signed bytes: |w| against x carrying w's sign */
+    const __m256i uw = signed_w ? _mm256_sign_epi8(wq, wq) : wq;
+    for (int r = 0; r < mr; r++) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + r) * K + 32 * b));
+        if (signed_w) xv = _mm256_sign_epi8(xv, wq);
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(uw, xv), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * a->d[(m0 + r) * nb + b]), acc[r]);
+    }
+}
+
+ALWAYS __m256i nibbles(const uint8_t *qs) {  /* 16 bytes of nibbles as 32 bytes: the low nibbles, then the high */
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs), low4 = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low4), _mm_and_si128(v, low4));
+}
+
+/* Block b of a Q8_0, Q4_0 or Q4_1 row against the mr rows of x, into the chain `acc`; Q4_0's -8 d and Q4_1's m
+ * times the x block's d * sum into `offset` */
+ALWAYS void small_block_step(int type, const uint8_t *w, const acts *a, int64_t m0, const int mr, int64_t b,
+                             __m256 *acc, float *offset) {
+    const int64_t nb = a->K / 32;
+    const uint8_t *blk = w + b * block_bytes(type);
+    const float dw = half_at(blk);
+    if (type == Q8_0) {
+        small_step(_mm256_loadu_si256((const __m256i *)(blk + 2)), 1, dw, a, m0, mr, b, acc);
+        return;
+    }
+    small_step(nibbles(blk + (type == Q4_1 ? 4 : 2)), 0, dw, a, m0, mr, b, acc);
+    const float per_sum = type == Q4_1 ? half_at(blk + 2) : -8.0f * dw;
+    for (int r = 0; r < mr; r++) offset[r] += per_sum * a->ds[(m0 + r) * nb + b];
+}
+
+/* Q8_0, Q4_0 and Q4_1: one fp32 product a block, even and odd blocks in two chains (one alone would wait on
+ * each fma) */
+ALWAYS void rows_small(int type, const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y,
+                       int64_t ldy) {
+    const int64_t nb = a->K / 32;
+    __m256 even[MR], odd[MR];
+    float offset[MR];
+    for (int r = 0; r < mr; r++) {
+        even[r] = odd[r] = _mm256_setzero_ps();
+        offset[r] = 0.0f;
+    }
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        small_block_step(type, w, a, m0, mr, b, even, offset);
+        small_block_step(type, w, a, m0, mr, b + 1, odd, offset);
+    }
+    if (b < nb) small_block_step(type, w, a, m0, mr, b, even, offset);
+    for (int r = 0; r < mr; r++) y[r * ldy] = sum8(_mm256_add_ps(even[r], odd[r])) + offset[r];
+}
+
+ALWAYS void rows_q8_0(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    rows_small(Q8_0, w, a, m0, mr, y, ldy);
+}
+
+ALWAYS void rows_q4_0(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    rows_small(Q4_0, w, a, m0, mr, y, ldy);
+}
+
+ALWAYS void rows_q4_1(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    rows_small(Q4_1, w, a, m0, mr, y, ldy);
+}
+
+#else  /* portable */
+
+ALWAYS void rows_k(int type, const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    const int64_t K = a->K, nb = K / 256, size = block_bytes(type);
+    float acc[MR] = {0};
+    k_block kb;
+    for (int64_t b = 0; b < nb; b++) {
+        unpack_k(type, w + b * size, &kb);
+        for (int r = 0; r < mr; r++) {
+            const int8_t *xq = a->q + (m0 + r) * K + 256 * b;
+            const int16_t *sums = a->sums + ((m0 + r) * nb + b) * (256 / sum_group(type));
+            int32_t isum = 0, msum = 0;
+            for (int g = 0; g < 16; g++) {
+                int32_t dot = 0;
+                for (int l = 0; l < 16; l++) dot += kb.q[16 * g + l] * xq[16 * g + l];
+                isum += kb.sc[g] * dot;
+            }
+            if (type != Q6_K)  /* Q6_K's offset is in its q */
+                for (int j = 0; j < 8; j++) msum += kb.mn[j] * sums[j];
+            acc[r] += a->d[(m0 + r) * nb + b] * (kb.d * (float)isum - kb.dmin * (float)msum);
+        }
+    }
+    for (int r = 0; r < mr; r++) y[r * ldy] = acc[r];
+}
+
+ALWAYS void rows_small(int type, const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y,
+                       int64_t ldy) {
+    const int64_t K = a->K, nb = K / 32, size = block_bytes(type);
+    float acc[MR] = {0};
+    small_block sb;
+    for (int64_t b = 0; b < nb; b++) {
+        unpack_small(type, w + b * size, &sb);
+        for (int r = 0; r < mr; r++) {
+            const int8_t *xq = a->q + (m0 + r) * K + 32 * b;
+            int32_t dot = 0;
+            for (int l = 0; l < 32; l++) dot += sb.q[l] * xq[l];
+            const int64_t i = (m0 + r) * nb + b;
+            acc[r] += sb.d * a->d[i] * (float)dot + sb.m * a->ds[i];
+        }
+    }
+    for (int r = 0; r < mr; r++) y[r * ldy] = acc[r];
+}
+
+ALWAYS void rows_q4_k(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    rows_k(Q4_K, w, a, m0, mr, y, ldy);
+}
+
+ALWAYS void rows_q5_k(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    rows_k(Q5_K, w, a, m0, mr, y, ldy);
+}
+
+ALWAYS void rows_q6_k(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    rows_k(Q6_K, w, a, m0, mr, y, ldy);
+}
+
+ALWAYS void rows_q8_0(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    rows_small(Q8_0, w, a, m0, mr, y, ldy);
+}
+
+ALWAYS void rows_q4_0(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    rows_small(Q4_0, w, a, m0, mr, y, ldy);
+}
+
+ALWAYS void rows_q4_1(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    rows_small(Q4_1, w, a, m0, mr, y, ldy);
+}
+
+#endif
+
+/* `rows` weight rows (row_bytes apart) against rows m0..m0 + mr of x, into y[r * ldy + n] */
+typedef void (*tile_fn)(const uint8_t *w, int64_t row_bytes, int64_t rows, const acts *a, int64_t m0, int mr,
+                        float *y, int64_t ldy);
+
+#define TILE(name, kernel)                                                                                   \
+    static void name(const uint8_t *w, int64_t row_bytes, int64_t rows, const acts *a, int64_t m0, int mr,   \
+                     float *y, int64_t ldy) {                                                                \
+        switch (mr) {                                                                                        \
+        case 1: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, 1, y + n, ldy); break;   \
+        case 2: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, 2, y + n, ldy); break;   \
+        case 3: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, 3, y + n, ldy); break;   \
+        default: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, MR, y + n, ldy);        \
+        }                                                                                                    \
+    }
+_Static_assert(MR == 4, "TILE instantiates mr = 1..MR");
+TILE(tile_q4_0, rows_q4_0)
+TILE(tile_q4_1, rows_q4_1)
+TILE(tile_q8_0, rows_q8_0)
+TILE(tile_q4_k, rows_q4_k)
+TILE(tile_q5_k, rows_q5_k)
+TILE(tile_q6_k, rows_q6_k)
+
+static tile_fn tile_for(int type) {
+    switch (type) {
+    case Q4_0: return tile_q4_0;
+    case Q4_1: return tile_q4_1;
+    case Q8_0: return tile_q8_0;
+    case Q4_K: return tile_q4_k;
+    case Q5_K: return tile_q5_k;
+    default: return tile_q6_k;
+    }
+}
+
+/* y [M, N] (rows ldy apart) = x [M, K] (kind) @ w [N, K]^T, w N rows of `type`'s blocks; K a multiple of the
+ * type's block. The caller checks the type and the shapes. */
+void pagedchat_quant_linear(const void *x, int kind, int64_t M, int64_t K, const void *w, int type, int64_t N,
+                            float *y, int64_t ldy, int threads) {
+    const int qb = block_values(type);
+    const int64_t row_bytes = K / qb * block_bytes(type);
+    acts a = {.K = K};
+    a.q = malloc(M * K + sizeof(float) * (M * K / qb + M * K / 32) + sizeof(int16_t) * (M * K / 16));
+    a.d = (float *)(a.q + M * K);
+    a.ds = a.d + M * K / qb;
+    a.sums = (int16_t *)(a.ds + M * K / 32);
+    /* tiles of about TILE_BYTES, as many for each thread */
+    const int64_t per_thread = (N + threads - 1) / threads;
+    int64_t tile_rows = TILE_BYTES / row_bytes > 4 ? TILE_BYTES / row_bytes : 4;
+    const int64_t tiles = threads * ((per_thread + tile_rows - 1) / tile_rows);
+    tile_rows = (N + tiles - 1) / tiles;
+    const tile_fn tile = tile_for(type);
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) quantize_acts(x, kind, m, &a, qb, sum_group(type));
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t n0 = t * tile_rows, rows = n0 + tile_rows < N ? tile_rows : N - n0;
+            for (int64_t m0 = 0; rows > 0 && m0 < M; m0 += MR)
+                tile((const uint8_t *)w + n0 * row_bytes, row_bytes, rows, &a, m0, M - m0 < MR ? M - m0 : MR,
+                     y + m0 * ldy + n0, ldy);
+        }
+    }
+    free(a.q);
+}
+
+/* out [count, K] = rows `ids` of w (N rows of `type`'s blocks) in fp32, as gguf's dequantizer gives them */
+void pagedchat_quant_dequantize_rows(const void *w, int type, int64_t K, const int64_t *ids, int64_t count,
+                                     float *out, int threads) {
+    const int qb = block_values(type);
+    const int64_t row_bytes = K / qb * block_bytes(type), size = block_bytes(type);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (count * K >= 65536)
+    for (int64_t i = 0; i < count; i++)
+        for (int64_t b = 0; b < K / qb; b++)
+            dequantize_block(type, (const uint8_t *)w + ids[i] * row_bytes + b * size, out + i * K + b * qb);
+}

@@ -1,0 +1,167 @@
+"""The products with GGUF-quantized weights (kernels/cpu_quant.c through kernels/quant.py), on every
+instruction set this CPU runs them in, against gguf's own dequantizer on fresh random blocks.
+
+The kernels quantize x to 8 bits per block of 32 (Q8_0, Q4_0, Q4_1) or 256 (the K-quants) before
+multiplying, so they are held to two references: x quantized the same way here (in numpy), against which
+only the fp32 arithmetic differs; and x itself, against which the error is at most each value's rounding
+(half a step of its block) times the weights' magnitudes."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedchat.kernels import quant
+
+ISAS = quant.available_isas()
+TYPES = sorted(quant.TYPES)
+SEEDS = st.integers(0, 2**32 - 1)
+FP32_RELATIVE = 1e-4  # of the sum of |terms|: fp32 accumulation over at most a few thousand terms, with margin
+
+pytestmark = pytest.mark.skipif(not ISAS, reason="cpu_quant.c could not be built here")
+
+
+def random_weight(rng: np.random.Generator, ggml_type: int, rows: int, depth: int) -> np.ndarray:
+    """uint8 [rows, row_bytes] of valid blocks: random bytes for the quantized values and sub-block scales,
+    finite fp16 scales (d, and dmin or Q4_1's m) of the sizes real models have."""
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    raw = rng.integers(0, 256, size=(rows, depth // block, size), dtype=np.uint8)
+
+    def put(offset: int, low: float, high: float) -> None:
+        values = rng.uniform(low, high, size=raw.shape[:2]).astype(np.float16)
+        raw[..., offset:offset + 2] = values.view(np.uint8).reshape(*raw.shape[:2], 2)
+
+    put(size - 2 if ggml_type == GGMLQuantizationType.Q6_K else 0, 1e-3, 2e-2)  # d
+    if ggml_type == GGMLQuantizationType.Q4_1:
+        put(2, -0.2, 0.2)  # m
+    elif ggml_type in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
+        put(2, 1e-3, 2e-2)  # dmin
+    return raw.reshape(rows, -1)
+
+
+def quantized_x(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """x [M, K] fp32 as the kernels quantize it: per block, d = amax / 127, q = x * (127 / amax) rounded to
+    nearest even, in fp32; returns (q * d in float64, d per value)."""
+    blocks = x.reshape(x.shape[0], -1, block)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    d = amax / np.float32(127)
+    inverse = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    q = np.rint(blocks * inverse)
+    shape = x.shape
+    return (q.astype(np.float64) * d).reshape(shape), np.broadcast_to(d, blocks.shape).reshape(shape)
+
+
+def check_product(y: torch.Tensor, x: torch.Tensor, raw: np.ndarray, ggml_type: int) -> None:
+    """y [M, N] against both references, for x as the kernel took it."""
+    w = quants.dequantize(raw, ggml_type).astype(np.float64)
+    xf = x.float().numpy()
+    xq, step = quantized_x(xf, 256 if GGML_QUANT_SIZES[ggml_type][0] == 256 else 32)
+    got = y.numpy().astype(np.float64)
+    magnitude = np.abs(xf).astype(np.float64) @ np.abs(w).T
+    tight = np.abs(got - xq @ w.T)
+    assert (tight <= FP32_RELATIVE * magnitude + 1e-30).all(), tight.max()
+    # x's rounding: at most half a step (and fp32's rounding of x / step) a value
+    loose = np.abs(got - xf.astype(np.float64) @ w.T)
+    assert (loose <= (0.5001 * step) @ np.abs(w).T + FP32_RELATIVE * magnitude + 1e-30).all(), loose.max()
+
+
+@st.composite
+def problems(draw, ggml_type: int) -> tuple[int, int, int, int]:
+    """(M, N, K, seed): M from one row (a chat's decode) up; N across tile and thread boundaries; K in
+    whole blocks"""
+    block = GGML_QUANT_SIZES[ggml_type][0]
+    rows = draw(st.one_of(st.just(1), st.integers(1, 40)))
+    width = draw(st.integers(1, 90))
+    depth = block * draw(st.integers(1, 2048 // block))
+    return rows, width, depth, draw(SEEDS)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: GGMLQuantizationType(t).name)
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_linear_matches_dequantized_product(isa: str, ggml_type: int, data: st.DataObject) -> None:
+    rows, width, depth, seed = data.draw(problems(ggml_type))
+    rng = np.random.default_rng(seed)
+    raw = random_weight(rng, ggml_type, width, depth)
+    x = torch.from_numpy(rng.standard_normal((rows, depth), dtype=np.float32) * rng.uniform(0.1, 10))
+    y = quant.linear(x, torch.from_numpy(raw), ggml_type, depth, isa=isa)
+    assert y.shape == (rows, width) and y.dtype == torch.float32
+    check_product(y, x, raw, ggml_type)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: GGMLQuantizationType(t).name)
+@settings(max_examples=3, deadline=None)
+@given(seed=SEEDS)
+def test_half_input_into_strided_columns(isa: str, dtype: torch.dtype, ggml_type: int, seed: int) -> None:
+    """x in bf16 or fp16, widened exactly; the product written into columns 5.. of a wider buffer (as q, k
+    and v share one), the other columns untouched"""
+    rng = np.random.default_rng(seed)
+    block = GGML_QUANT_SIZES[ggml_type][0]
+    rows, width, depth = int(rng.integers(1, 20)), int(rng.integers(1, 70)), block * int(rng.integers(1, 5))
+    raw = random_weight(rng, ggml_type, width, depth)
+    x = torch.from_numpy(rng.standard_normal((rows, depth), dtype=np.float32)).to(dtype)
+    buffer = torch.full((rows, width + 9), float("nan"))
+    out = buffer[:, 5:5 + width]
+    assert quant.linear(x, torch.from_numpy(raw), ggml_type, depth, out=out, isa=isa) is out
+    check_product(out.clone(), x, raw, ggml_type)
+    assert buffer[:, :5].isnan().all() and buffer[:, 5 + width:].isnan().all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_threads_split_rows_without_changing_them(isa: str) -> None:
+    """Each output is one thread's sum in a fixed order: any thread count gives the same bits, across many
+    tiles a thread (rows of 2 KiB)"""
+    rng = np.random.default_rng(0)
+    ggml_type, width, depth = GGMLQuantizationType.Q8_0, 301, 2048
+    raw = torch.from_numpy(random_weight(rng, ggml_type, width, depth))
+    x = torch.from_numpy(rng.standard_normal((6, depth), dtype=np.float32))
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            results.append(quant.linear(x, raw, ggml_type, depth, isa=isa))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1])
+    check_product(results[0], x, raw.numpy(), ggml_type)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: GGMLQuantizationType(t).name)
+@settings(max_examples=5, deadline=None)
+@given(seed=SEEDS)
+def test_dequantize_rows_is_gguf_exactly(ggml_type: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    block = GGML_QUANT_SIZES[ggml_type][0]
+    count, depth = int(rng.integers(1, 50)), block * int(rng.integers(1, 6))
+    raw = random_weight(rng, ggml_type, count, depth)
+    ids = torch.from_numpy(rng.integers(0, count, size=int(rng.integers(0, 12))))
+    got = quant.dequantize_rows(torch.from_numpy(raw), ggml_type, depth, ids)
+    assert got.shape == (len(ids), depth) and got.dtype == torch.float32
+    assert np.array_equal(got.numpy(), quants.dequantize(raw, ggml_type)[ids.numpy()])
+
+
+def test_what_is_supported() -> None:
+    assert quant.isa() == ISAS[0] and "portable" in ISAS
+    assert all(quant.supported(t) for t in TYPES)
+    assert not quant.supported(GGMLQuantizationType.Q2_K) and not quant.supported(GGMLQuantizationType.F16)
+
+
+def test_refuses_what_it_cannot_multiply() -> None:
+    raw = torch.zeros(4, 34, dtype=torch.uint8)  # 4 rows of one Q8_0 block
+    x = torch.zeros(2, 32)
+    with pytest.raises(ValueError):
+        quant.linear(x, raw, GGMLQuantizationType.Q2_K, 32)
+    with pytest.raises(ValueError):
+        quant.linear(torch.zeros(2, 64), raw, GGMLQuantizationType.Q8_0, 64)  # rows of 34 bytes hold 32 values
+    with pytest.raises(ValueError):
+        quant.linear(x, raw, GGMLQuantizationType.Q8_0, 32, out=torch.zeros(2, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError):
+        quant.linear(x, raw, GGMLQuantizationType.Q8_0, 32, isa="no such isa")
+    with pytest.raises(IndexError):
+        quant.dequantize_rows(raw, GGMLQuantizationType.Q8_0, 32, torch.tensor([4]))
