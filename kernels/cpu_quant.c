@@ -4,10 +4,9 @@
  * bytes it streams, reads 2-4x fewer than in bf16.
  *
  * x (fp32, bf16 or fp16) is first quantized per row to 8 bits, as llama.cpp pairs it with each type: blocks
- * of 32 with an fp32 scale (and d * the sum of the block, which Q4_0's offset and Q4_1's min multiply) for
- * the types of 32, blocks of 256 with an fp32 scale and the sums of each 16 (which the K-quants' mins and
- * Q6_K's offset multiply) for the K-quants. A weight block against an x block is then a dot product of
- * bytes in integers (u8 x s8 pairs summed to s16, then s32: AVX2's maddubs and madd), scaled in fp32 once
+ * of 32 with an fp32 scale for Q8_0, Q4_0 and Q4_1, blocks of 256 for the K-quants, with the block sums that
+ * the weights' offsets and mins multiply (`acts`). A weight block against an x block is then a dot product
+ * of bytes in integers (u8 x s8 pairs summed to s16, then s32: AVX2's maddubs and madd), scaled in fp32 once
  * per block (once per 256 values for the K-quants, whose sub-block scales are integers applied by madd).
  *
  * The weight rows are split between the OpenMP threads in contiguous ranges; a thread takes its range in
@@ -46,19 +45,17 @@ typedef struct { uint8_t ql[128], qh[64]; int8_t scales[16]; uint16_t d; } block
 _Static_assert(sizeof(block_q8_0) == 34 && sizeof(block_q4_0) == 18 && sizeof(block_q4_1) == 20, "ggml layout");
 _Static_assert(sizeof(block_q4_K) == 144 && sizeof(block_q5_K) == 176 && sizeof(block_q6_K) == 210, "ggml layout");
 
-/* x quantized: q [M, K]; for the types of 32, d and ds (d * the block's sum) [M, K / 32]; for the K-quants,
- * d [M, K / 256] and the sums of each `sum_group(type)` values [M, K / group] */
+/* x quantized: q [M, K] and its blocks' d [M, K / 32 or 256]; for all but Q6_K, ds [M, K / 32], the block's d
+ * times the sum of each 32 (which Q4_0's offset, Q4_1's m and the mins of Q4_K and Q5_K multiply); for Q6_K,
+ * the sums of each 16 [M, K / 16] (which its offset times its scales multiply) */
 typedef struct {
     int8_t *q;
     float *d, *ds;
-    int16_t *sums;
+    int16_t *sums16;
     int64_t K;
 } acts;
 
 static int block_values(int type) { return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32; }
-
-/* the values that each sum of x covers: as many as share a min (Q4_K, Q5_K) or a scale (Q6_K) */
-static int sum_group(int type) { return type == Q6_K ? 16 : 32; }
 
 static int64_t block_bytes(int type) {
     switch (type) {
@@ -101,15 +98,15 @@ static inline float half_at(const uint8_t *p) {  /* the fp16 at p, which a block
     return half_to_float(h);
 }
 
-/* Q4_K's and Q5_K's 12 packed bytes as 8 6-bit scales (out[0:8]) and 8 mins (out[8:16]) */
-static inline void k_scales(const uint8_t *packed, uint8_t out[16]) {
-    uint32_t s[3], u[4];
-    memcpy(s, packed, 12);
-    u[0] = s[0] & 0x3f3f3f3f;
-    u[1] = (s[2] & 0x0f0f0f0f) | ((s[0] >> 2) & 0x30303030);
-    u[2] = s[1] & 0x3f3f3f3f;
-    u[3] = ((s[2] >> 4) & 0x0f0f0f0f) | ((s[1] >> 2) & 0x30303030);
-    memcpy(out, u, 16);
+/* Q4_K's and Q5_K's 12 packed bytes as 8 6-bit scales (the bytes of u[0], u[1]) and 8 mins (u[2], u[3]):
+ * scales and mins 0-3 are the low 6 bits of bytes 0-3 and 4-7; 4-7 the nibbles of bytes 8-11 below the top
+ * 2 bits of bytes 0-3 and 4-7 */
+static inline void k_scales(const uint8_t *packed, uint32_t u[4]) {
+    const uint32_t s0 = load32(packed), s1 = load32(packed + 4), s2 = load32(packed + 8);
+    u[0] = s0 & 0x3f3f3f3f;
+    u[1] = (s2 & 0x0f0f0f0f) | ((s0 >> 2) & 0x30303030);
+    u[2] = s1 & 0x3f3f3f3f;
+    u[3] = ((s2 >> 4) & 0x0f0f0f0f) | ((s1 >> 2) & 0x30303030);
 }
 
 /* A block of 32 as bytes: value l = d * q[l] + m */
@@ -154,10 +151,12 @@ static void unpack_k(int type, const uint8_t *src, k_block *o) {
     const int five = type == Q5_K;
     const uint8_t *qs = src + (five ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs));
     const uint8_t *qh = src + offsetof(block_q5_K, qh);
+    uint32_t u[4];
     uint8_t sm[16];
     o->d = half_at(src);
     o->dmin = half_at(src + 2);
-    k_scales(src + 4, sm);
+    k_scales(src + 4, u);
+    memcpy(sm, u, 16);
     for (int j = 0; j < 4; j++)
         for (int l = 0; l < 32; l++) {
             int lo = qs[32 * j + l] & 15, hi = qs[32 * j + l] >> 4;
@@ -240,22 +239,26 @@ static void quantize_row(const void *x, int kind, int64_t K, int qb, int8_t *q, 
     }
 }
 
-static void quantize_acts(const void *x, int kind, int64_t m, const acts *a, int qb, int group) {
+static void quantize_acts(const void *x, int kind, int64_t m, const acts *a, int type) {
     const int64_t K = a->K;
+    const int qb = block_values(type);
     int8_t *q = a->q + m * K;
-    quantize_row((const char *)x + m * K * (kind == KIND_FP32 ? 4 : 2), kind, K, qb, q, a->d + m * (K / qb));
-    if (qb == 32)
+    float *d = a->d + m * (K / qb);
+    quantize_row((const char *)x + m * K * (kind == KIND_FP32 ? 4 : 2), kind, K, qb, q, d);
+    if (type != Q6_K)
         for (int64_t b = 0; b < K / 32; b++) {
             int s = 0;
             for (int l = 0; l < 32; l++) s += q[32 * b + l];
-            a->ds[m * (K / 32) + b] = a->d[m * (K / 32) + b] * (float)s;
+            a->ds[m * (K / 32) + b] = d[b * 32 / qb] * (float)s;
         }
+#if defined(__AVX2__)  /* the portable kernels take Q6_K's offset off its values as they unpack them */
     else
-        for (int64_t g = 0; g < K / group; g++) {
+        for (int64_t g = 0; g < K / 16; g++) {
             int s = 0;
-            for (int l = 0; l < group; l++) s += q[group * g + l];
-            a->sums[m * (K / group) + g] = (int16_t)s;
+            for (int l = 0; l < 16; l++) s += q[16 * g + l];
+            a->sums16[m * (K / 16) + g] = (int16_t)s;
         }
+#endif
 }
 
 /* Each kernel: y[r * ldy] = weight row w . x row m0 + r, for r < mr (at most MR), mr a constant where the
@@ -263,39 +266,15 @@ static void quantize_acts(const void *x, int kind, int64_t m, const acts *a, int
 
 #if defined(__AVX2__)
 
-/* every 16-bit lane of each 128-bit half: lane j of that half */
-ALWAYS __m256i lane16(__m256i v, int j) {
-    return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)((2 * j + 1) << 8 | 2 * j)));
-}
-
-ALWAYS float sum4(__m128 v) {
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
-}
-
 /* splat[v]: v in every 16-bit lane, for the 6-bit scales of Q4_K and Q5_K */
 #define SPLAT1(v) {v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}
 #define SPLAT4(v) SPLAT1(v), SPLAT1(v + 1), SPLAT1(v + 2), SPLAT1(v + 3)
 #define SPLAT16(v) SPLAT4(v), SPLAT4(v + 4), SPLAT4(v + 8), SPLAT4(v + 12)
 static const int16_t splat[64][16] __attribute__((aligned(32))) = {SPLAT16(0), SPLAT16(16), SPLAT16(32), SPLAT16(48)};
 
-/* The 8 scales (bytes 0-7) and 8 mins (8-15) that Q4_K's and Q5_K's 12 packed bytes at p hold, as k_scales
- * unpacks them, from a 16-byte load (the block goes on past them) */
-ALWAYS __m128i k_scales_simd(const uint8_t *p) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)p);
-    /* low bits: scales 0-3, the low nibbles of 4-7, mins 0-3, the high nibbles of 4-7; then the top 2 bits of
-     * scales and mins 0-3 as bits 4-5 of 4-7 */
-    const __m128i low = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
-    const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
-    const __m128i keep = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
-    const __m128i high_nibbles = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
-    return _mm_or_si128(_mm_or_si128(_mm_and_si128(low, keep), _mm_and_si128(_mm_srli_epi16(low, 4), high_nibbles)),
-                        _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
-}
-
 /* Sub-blocks 2j and 2j + 1 of a Q4_K or Q5_K block (the low and high nibbles of its 32 bytes from qs + 32j,
  * bit 2j and 2j + 1 of each qh byte above them) against the mr rows of x, into isum */
-ALWAYS void q45_k_pair(const uint8_t *qs, __m256i *high, int j, uint32_t sc_lo, uint32_t sc_hi, const int8_t *xq,
+ALWAYS void q45_k_pair(const uint8_t *qs, __m256i *high, int j, uint32_t sc4_lo, uint32_t sc4_hi, const int8_t *xq,
                        int64_t K, const int mr, const int five, __m256i *isum) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
@@ -305,9 +284,10 @@ ALWAYS void q45_k_pair(const uint8_t *qs, __m256i *high, int j, uint32_t sc_lo, 
         hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(*high, _mm256_set1_epi8(2)), 3));
         *high = _mm256_srli_epi16(*high, 2);
     }
-    const uint32_t pair = (j < 2 ? sc_lo : sc_hi) >> (16 * (j & 1));
-    const __m256i scale_lo = _mm256_load_si256((const __m256i *)splat[pair & 0xff]);
-    const __m256i scale_hi = _mm256_load_si256((const __m256i *)splat[pair >> 8 & 0xff]);
+    /* 4 x the scales: an index that addressing scales by 8 to splat's rows of 32 bytes */
+    const uint32_t pair = (j < 2 ? sc4_lo : sc4_hi) >> (16 * (j & 1));
+    const __m256i scale_lo = _mm256_load_si256((const __m256i *)((const char *)splat + 8 * (pair & 0xfc)));
+    const __m256i scale_hi = _mm256_load_si256((const __m256i *)((const char *)splat + 8 * (pair >> 8 & 0xfc)));
     for (int r = 0; r < mr; r++) {
         const int8_t *x = xq + r * K + 64 * j;
         const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
@@ -318,45 +298,42 @@ ALWAYS void q45_k_pair(const uint8_t *qs, __m256i *high, int j, uint32_t sc_lo, 
     }
 }
 
-/* Q4_K and Q5_K: sub-blocks of 32 with 6-bit scales and mins; the x sums of 32 carry the mins */
+/* Q4_K and Q5_K: sub-blocks of 32 with 6-bit scales and mins; x's d * sum of each 32 carries the mins */
 ALWAYS void rows_q45_k(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy,
                        const int five) {
     const int64_t K = a->K, nb = K / 256, size = five ? sizeof(block_q5_K) : sizeof(block_q4_K);
-    __m256 acc[MR];
-    __m128 acc_min[MR];
-    for (int r = 0; r < mr; r++) {
-        acc[r] = _mm256_setzero_ps();
-        acc_min[r] = _mm_setzero_ps();
-    }
+    __m256 acc[MR], acc_min[MR];
+    for (int r = 0; r < mr; r++) acc[r] = acc_min[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * size;
         const uint8_t *qs = blk + (five ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs));
         const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(load32(blk)));  /* d, dmin */
-        /* the scales unpacked by the integer units (as k_scales does) and broadcast by loads from `splat`:
-         * the vector shuffle units are the unpacking's bottleneck */
-        const uint32_t p0 = load32(blk + 4), p1 = load32(blk + 8), p2 = load32(blk + 12);
-        const uint32_t sc_lo = p0 & 0x3f3f3f3f, sc_hi = (p2 & 0x0f0f0f0f) | ((p0 >> 2) & 0x30303030);
-        const uint32_t mn_lo = p1 & 0x3f3f3f3f, mn_hi = ((p2 >> 4) & 0x0f0f0f0f) | ((p1 >> 2) & 0x30303030);
-        const __m128i mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)((uint64_t)mn_hi << 32 | mn_lo)));
-        __m256i high = five ? _mm256_loadu_si256((const __m256i *)(blk + offsetof(block_q5_K, qh))) : _mm256_setzero_si256();
+        const __m256 d = _mm256_broadcastss_ps(dd);
+        /* the scales unpacked by the integer units and broadcast by loads from `splat`: the vector shuffle
+         * units are the unpacking's bottleneck */
+        uint32_t u[4];
+        k_scales(blk + 4, u);
+        /* dmin * each min, against x's d * sum of each 32 */
+        const __m256 mins = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)((uint64_t)u[3] << 32 | u[2])))));
+        __m256i high = five ? _mm256_loadu_si256((const __m256i *)(blk + offsetof(block_q5_K, qh)))
+                            : _mm256_setzero_si256();
         const int8_t *xq = a->q + m0 * K + 256 * b;
         __m256i isum[MR];
         for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
         if (mr == 1)
-            for (int j = 0; j < 4; j++) q45_k_pair(qs, &high, j, sc_lo, sc_hi, xq, K, mr, five, isum);
+            for (int j = 0; j < 4; j++) q45_k_pair(qs, &high, j, u[0] << 2, u[1] << 2, xq, K, mr, five, isum);
         else {
             #pragma GCC unroll 1  /* unrolled, gcc spills the products of all four pairs to the stack */
-            for (int j = 0; j < 4; j++) q45_k_pair(qs, &high, j, sc_lo, sc_hi, xq, K, mr, five, isum);
+            for (int j = 0; j < 4; j++) q45_k_pair(qs, &high, j, u[0] << 2, u[1] << 2, xq, K, mr, five, isum);
         }
         for (int r = 0; r < mr; r++) {
-            const __m128 f = _mm_mul_ps(dd, _mm_broadcast_ss(a->d + (m0 + r) * nb + b));  /* d, dmin times x's d */
-            const __m128i sums = _mm_loadu_si128((const __m128i *)(a->sums + ((m0 + r) * nb + b) * 8));
-            acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(f), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-            acc_min[r] = _mm_fmadd_ps(_mm_permute_ps(f, 0x55), _mm_cvtepi32_ps(_mm_madd_epi16(mins, sums)),
-                                      acc_min[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[r])),
+                                     _mm256_broadcast_ss(a->d + (m0 + r) * nb + b), acc[r]);
+            acc_min[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(a->ds + ((m0 + r) * nb + b) * 8), acc_min[r]);
         }
     }
-    for (int r = 0; r < mr; r++) y[r * ldy] = sum8(acc[r]) - sum4(acc_min[r]);
+    for (int r = 0; r < mr; r++) y[r * ldy] = sum8(_mm256_sub_ps(acc[r], acc_min[r]));
 }
 
 ALWAYS void rows_q4_k(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
@@ -380,7 +357,7 @@ ALWAYS void rows_q6_k(const uint8_t *w, const acts *a, int64_t m0, const int mr,
         const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
         __m256i isum[MR];
         for (int r = 0; r < mr; r++) {
-            const int16_t *sums = a->sums + ((m0 + r) * nb + b) * 16;
+            const int16_t *sums = a->sums16 + ((m0 + r) * nb + b) * 16;
             const __m256i offsets = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)sums));
             isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offsets, 5));
         }
@@ -498,16 +475,16 @@ ALWAYS void rows_k(int type, const uint8_t *w, const acts *a, int64_t m0, const 
         unpack_k(type, w + b * size, &kb);
         for (int r = 0; r < mr; r++) {
             const int8_t *xq = a->q + (m0 + r) * K + 256 * b;
-            const int16_t *sums = a->sums + ((m0 + r) * nb + b) * (256 / sum_group(type));
-            int32_t isum = 0, msum = 0;
+            int32_t isum = 0;
             for (int g = 0; g < 16; g++) {
                 int32_t dot = 0;
                 for (int l = 0; l < 16; l++) dot += kb.q[16 * g + l] * xq[16 * g + l];
                 isum += kb.sc[g] * dot;
             }
-            if (type != Q6_K)  /* Q6_K's offset is in its q */
-                for (int j = 0; j < 8; j++) msum += kb.mn[j] * sums[j];
-            acc[r] += a->d[(m0 + r) * nb + b] * (kb.d * (float)isum - kb.dmin * (float)msum);
+            float msum = 0.0f;
+            if (type != Q6_K)  /* which has no mins, its offset taken off its q */
+                for (int j = 0; j < 8; j++) msum += (float)kb.mn[j] * a->ds[((m0 + r) * nb + b) * 8 + j];
+            acc[r] += a->d[(m0 + r) * nb + b] * kb.d * (float)isum - kb.dmin * msum;
         }
     }
     for (int r = 0; r < mr; r++) y[r * ldy] = acc[r];
@@ -594,13 +571,14 @@ static tile_fn tile_for(int type) {
  * type's block. The caller checks the type and the shapes. */
 void pagedchat_quant_linear(const void *x, int kind, int64_t M, int64_t K, const void *w, int type, int64_t N,
                             float *y, int64_t ldy, int threads) {
+    if (M <= 0 || N <= 0) return;
     const int qb = block_values(type);
     const int64_t row_bytes = K / qb * block_bytes(type);
     acts a = {.K = K};
     a.q = malloc(M * K + sizeof(float) * (M * K / qb + M * K / 32) + sizeof(int16_t) * (M * K / 16));
     a.d = (float *)(a.q + M * K);
     a.ds = a.d + M * K / qb;
-    a.sums = (int16_t *)(a.ds + M * K / 32);
+    a.sums16 = (int16_t *)(a.ds + M * K / 32);
     /* tiles of about TILE_BYTES, as many for each thread */
     const int64_t per_thread = (N + threads - 1) / threads;
     int64_t tile_rows = TILE_BYTES / row_bytes > 4 ? TILE_BYTES / row_bytes : 4;
@@ -610,7 +588,7 @@ void pagedchat_quant_linear(const void *x, int kind, int64_t M, int64_t K, const
     #pragma omp parallel num_threads(threads)
     {
         #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) quantize_acts(x, kind, m, &a, qb, sum_group(type));
+        for (int64_t m = 0; m < M; m++) quantize_acts(x, kind, m, &a, type);
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n0 = t * tile_rows, rows = n0 + tile_rows < N ? tile_rows : N - n0;

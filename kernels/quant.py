@@ -27,6 +27,10 @@ ARGTYPES = {
 }
 
 
+# (values, bytes) of a block of each type, by plain int: the checks run on every product of a decode step
+_BLOCKS = {int(t): GGML_QUANT_SIZES[t] for t in TYPES}
+
+
 def supported(ggml_type: int) -> bool:
     return ggml_type in TYPES
 
@@ -36,6 +40,7 @@ def available_isas() -> list[str]:
     return [name for name in PREFERENCE if _kernel("pagedchat_quant_linear", name) is not None]
 
 
+@functools.cache
 def isa() -> str | None:
     """The instruction set `linear` uses by default here; None where the kernels could not be built."""
     return next(iter(available_isas()), None)
@@ -43,7 +48,7 @@ def isa() -> str | None:
 
 def row_bytes(ggml_type: int, depth: int) -> int:
     """The bytes of one row of `depth` values of this type."""
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    block, size = _block(ggml_type)
     if depth % block:
         raise ValueError(f"a row of {GGMLQuantizationType(ggml_type).name} holds a multiple of {block} values, "
                          f"not {depth}")
@@ -56,28 +61,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, depth: int, ou
     contiguous) holding `ggml_type`'s blocks; into `out` where given (fp32 [M, N], its rows any distance
     apart, e.g. columns of a wider buffer). The kernels of `isa` (one of `available_isas()`), by default the
     best."""
-    _check_type(ggml_type)
-    rows, width = x.shape[0], weight.shape[0]
-    if x.dim() != 2 or x.shape[1] != depth or x.dtype not in native.KINDS or x.device.type != "cpu":
-        raise ValueError(f"x must be a CPU tensor [M, {depth}] of fp32, bf16 or fp16, not {x.dtype} {tuple(x.shape)}")
     _check_weight(weight, ggml_type, depth)
+    kind = native.KINDS.get(x.dtype)
+    if kind is None or x.dim() != 2 or x.shape[1] != depth or x.device.type != "cpu":
+        raise ValueError(f"x must be a CPU tensor [M, {depth}] of fp32, bf16 or fp16, not {x.dtype} {tuple(x.shape)}")
+    rows, width = x.shape[0], weight.shape[0]
     if out is None:
         out = torch.empty(rows, width, dtype=torch.float32)
-    elif out.dtype != torch.float32 or tuple(out.shape) != (rows, width) or (width > 1 and out.stride(1) != 1):
+    elif out.dtype != torch.float32 or out.shape != (rows, width) or (width > 1 and out.stride(1) != 1):
         raise ValueError(f"out must be fp32 [{rows}, {width}] with contiguous rows, not {out.dtype} "
                          f"{tuple(out.shape)} strides {out.stride()}")
-    if rows == 0 or width == 0:
-        return out
-    x = x.contiguous()
-    _kernel("pagedchat_quant_linear", _isa(isa))(
-        x.data_ptr(), native.KINDS[x.dtype], rows, depth, weight.data_ptr(), int(ggml_type), width, out.data_ptr(),
-        out.stride(0), torch.get_num_threads())
+    if rows and width:
+        x = x.contiguous()
+        _kernel("pagedchat_quant_linear", _isa(isa))(
+            x.data_ptr(), kind, rows, depth, weight.data_ptr(), ggml_type, width, out.data_ptr(), out.stride(0),
+            torch.get_num_threads())
     return out
 
 
 def dequantize_rows(weight: torch.Tensor, ggml_type: int, depth: int, rows: torch.Tensor) -> torch.Tensor:
     """fp32 [len(rows), depth]: rows `rows` (integers) of W, as gguf's dequantizer gives them."""
-    _check_type(ggml_type)
     _check_weight(weight, ggml_type, depth)
     ids = rows.reshape(-1).to(torch.int64).contiguous()
     if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < weight.shape[0]):
@@ -85,8 +88,7 @@ def dequantize_rows(weight: torch.Tensor, ggml_type: int, depth: int, rows: torc
     out = torch.empty(ids.numel(), depth, dtype=torch.float32)
     if ids.numel():
         _kernel("pagedchat_quant_dequantize_rows", _isa(None))(
-            weight.data_ptr(), int(ggml_type), depth, ids.data_ptr(), ids.numel(), out.data_ptr(),
-            torch.get_num_threads())
+            weight.data_ptr(), ggml_type, depth, ids.data_ptr(), ids.numel(), out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -105,10 +107,12 @@ def _isa(name: str | None) -> str:
     return name
 
 
-def _check_type(ggml_type: int) -> None:
-    if ggml_type not in TYPES:
+def _block(ggml_type: int) -> tuple[int, int]:
+    layout = _BLOCKS.get(ggml_type)
+    if layout is None:
         raise ValueError(f"no kernels for GGML type {ggml_type}; these take "
                          f"{sorted(GGMLQuantizationType(t).name for t in TYPES)}")
+    return layout
 
 
 def _check_weight(weight: torch.Tensor, ggml_type: int, depth: int) -> None:
