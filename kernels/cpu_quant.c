@@ -353,14 +353,15 @@ ALWAYS void rows_q6_k(const uint8_t *w, const acts *a, int64_t m0, const int mr,
     for (int64_t b = 0; b < nb; b++) {
         const block_q6_K *blk = (const block_q6_K *)(w + b * sizeof(block_q6_K));
         const float d = half_at(w + b * sizeof(block_q6_K) + offsetof(block_q6_K, d));
-        const __m128i sc8 = _mm_loadu_si128((const __m128i *)blk->scales);
-        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)blk->scales));
         __m256i isum[MR];
         for (int r = 0; r < mr; r++) {
             const int16_t *sums = a->sums16 + ((m0 + r) * nb + b) * 16;
             const __m256i offsets = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)sums));
             isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offsets, 5));
         }
+        /* each half's 8 scales in both halves of a register, for in-lane shuffles to broadcast */
+        const __m256i halves[2] = {_mm256_permute4x64_epi64(sc16, 0x44), _mm256_permute4x64_epi64(sc16, 0xEE)};
         for (int h = 0; h < 2; h++) {
             const __m256i qa = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h));
             const __m256i qb = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h + 32));
@@ -375,10 +376,9 @@ ALWAYS void rows_q6_k(const uint8_t *w, const acts *a, int64_t m0, const int mr,
                                    _mm256_and_si256(qh, _mm256_set1_epi8(0x30)));
             q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
                                    _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8((char)0xC0)), 2));
-            for (int g = 0; g < 4; g++) {  /* scales 2k, 2k + 1 of its two sub-blocks, each over 8 lanes */
-                const int k = 4 * h + g;
-                const __m128i pick = _mm_set_epi64x(0x0101010101010101LL * (2 * k + 1), 0x0101010101010101LL * (2 * k));
-                s[g] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick));
+            for (int g = 0; g < 4; g++) {  /* scales 2g, 2g + 1 of the half: one over each 8 lanes */
+                const __m128i lo = _mm_set1_epi16((short)(0x0100 + 0x0404 * g));
+                s[g] = _mm256_shuffle_epi8(halves[h], _mm256_set_m128i(_mm_add_epi8(lo, _mm_set1_epi8(2)), lo));
             }
             for (int r = 0; r < mr; r++) {
                 const int8_t *xq = a->q + (m0 + r) * K + 256 * b + 128 * h;
@@ -396,18 +396,29 @@ ALWAYS void rows_q6_k(const uint8_t *w, const acts *a, int64_t m0, const int mr,
     for (int r = 0; r < mr; r++) y[r * ldy] = sum8(acc[r]);
 }
 
+/* In each int32 lane, the sum of 4 products of unsigned bytes of u and signed bytes of s: one VNNI
+ * instruction where the build has it, else through s16 pairs (which the values here never saturate) */
+ALWAYS __m256i dot4(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
 /* A weight block of 32 against the mr rows of x: its 32 values as bytes `wq` (unsigned, or signed with
  * `signed_w`), scaled by dw; acc[r] its chain of fp32 sums */
 ALWAYS void small_step(__m256i wq, int signed_w, float dw, const acts *a, int64_t m0, const int mr, int64_t b,
                        __m256 *acc) {
     const int64_t K = a->K, nb = K / 32;
-    const __m256i ones = _mm256_set1_epi16(1);
-    /* maddubs takes unsigned x signed bytes: |w| against x carrying w's sign */
+    /* unsigned x signed bytes: |w| against x carrying w's sign */
     const __m256i uw = signed_w ? _mm256_sign_epi8(wq, wq) : wq;
     for (int r = 0; r < mr; r++) {
         __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + r) * K + 32 * b));
         if (signed_w) xv = _mm256_sign_epi8(xv, wq);
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(uw, xv), ones);
+        const __m256i p = dot4(uw, xv);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * a->d[(m0 + r) * nb + b]), acc[r]);
     }
 }
@@ -568,14 +579,15 @@ static tile_fn tile_for(int type) {
 }
 
 /* y [M, N] (rows ldy apart) = x [M, K] (kind) @ w [N, K]^T, w N rows of `type`'s blocks; K a multiple of the
- * type's block. The caller checks the type and the shapes. */
-void pagedchat_quant_linear(const void *x, int kind, int64_t M, int64_t K, const void *w, int type, int64_t N,
-                            float *y, int64_t ldy, int threads) {
-    if (M <= 0 || N <= 0) return;
+ * type's block. The caller checks the type and the shapes. 0, or 1 where the scratch for x could not be had. */
+int pagedchat_quant_linear(const void *x, int kind, int64_t M, int64_t K, const void *w, int type, int64_t N,
+                           float *y, int64_t ldy, int threads) {
+    if (M <= 0 || N <= 0) return 0;
     const int qb = block_values(type);
     const int64_t row_bytes = K / qb * block_bytes(type);
     acts a = {.K = K};
     a.q = malloc(M * K + sizeof(float) * (M * K / qb + M * K / 32) + sizeof(int16_t) * (M * K / 16));
+    if (a.q == NULL) return 1;
     a.d = (float *)(a.q + M * K);
     a.ds = a.d + M * K / qb;
     a.sums16 = (int16_t *)(a.ds + M * K / 32);
@@ -598,6 +610,7 @@ void pagedchat_quant_linear(const void *x, int kind, int64_t M, int64_t K, const
         }
     }
     free(a.q);
+    return 0;
 }
 
 /* out [count, K] = rows `ids` of w (N rows of `type`'s blocks) in fp32, as gguf's dequantizer gives them */
