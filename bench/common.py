@@ -264,7 +264,7 @@ def describe(requests: Sequence[Request]) -> str:
 
 def model_config(model: str | None):
     """The model's config, read (and checked) without loading the weights."""
-    from pagedchat.engine import loader
+    from pagedchat.engine.loading import loader
 
     return loader.check_model(loader.resolve_model(model), None)
 

@@ -70,7 +70,7 @@ def serve(engine, requests, reserve: int | None) -> Run:
 
 def concurrency_section(model: str | None, dtype: str, num_requests: int = 256, max_model_len: int = 2048,
                         prompt_lens=(16, 512), output_lens=(16, 256)) -> Section:
-    from pagedchat.engine.model_runner import KVLayout
+    from pagedchat.engine.worker.model_runner import KVLayout
 
     with stopwatch() as t:
         config = model_config(model)

@@ -3,7 +3,7 @@ benchmark, so they live here, importable by both."""
 
 from collections import Counter
 
-from pagedchat.engine.snapshot import KVSnapshot
+from pagedchat.engine.api.snapshot import KVSnapshot
 
 
 def assert_invariants(snap: KVSnapshot) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from bench import peer_timing, peers
 from bench.common import Section, Table, cpu_description, load_average, random_requests
 from bench.throughput import MIX_SIZES, QUESTIONS
-from pagedchat.engine.threads import ThreadPolicy
+from pagedchat.engine.runtime.threads import ThreadPolicy
 
 HERE = Path(__file__).resolve().parent
 ONE_CHAT_TOKENS = 128
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.argv = [sys.argv[0], args.worker]
         pagedchat_worker()
         return
-    from pagedchat.engine import loader
+    from pagedchat.engine.loading import loader
     from transformers import AutoConfig, AutoTokenizer
 
     args.load_at_start = load_average()

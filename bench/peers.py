@@ -53,7 +53,7 @@ def vllm_python() -> Path:
 
 def gguf_path(gguf_type: str) -> Path:
     """The default model as a GGUF of this type (`Q4_1` is the shipped file itself)."""
-    from pagedchat.engine.loader import default_model_file
+    from pagedchat.engine.loading.loader import default_model_file
 
     shipped = default_model_file(progress=False)
     if gguf_type == "Q4_1":

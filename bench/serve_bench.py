@@ -391,7 +391,7 @@ def server_command(peer: str, port: int, s: Settings) -> tuple[list[str], dict[s
     if peer == "vllm":
         if not peers.vllm_ready():
             raise PeerError("not built (python -m bench.peers setup)")
-        from pagedchat.engine import loader
+        from pagedchat.engine.loading import loader
 
         command = [str(peers.vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
                    "--model", str(loader.resolve_model(None, progress=False)), "--dtype", s.dtype,
@@ -672,7 +672,7 @@ def main(argv: list[str] | None = None) -> None:
     args.n = sorted(set(args.n))
     from transformers import AutoTokenizer
 
-    from pagedchat.engine import loader
+    from pagedchat.engine.loading import loader
 
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(loader.resolve_model(None, progress=False))

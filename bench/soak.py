@@ -165,7 +165,7 @@ def tiny_random_model(folder: Path) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
-    from pagedchat.engine import loader
+    from pagedchat.engine.loading import loader
 
     logging.disable_progress_bar()  # the shard-writing bar would land in the report
     default = loader.resolve_model(None)

@@ -21,7 +21,7 @@ from bench.common import (
 )
 import torch.nn.functional as F
 
-from pagedchat.engine.cpu_linear import linear_for, widens_matmuls
+from pagedchat.engine.layers.linear import linear_for, widens_matmuls
 
 # (requests, prompt length range, output length range) per size; the full size is issue 6's.
 MIX_SIZES = {
@@ -170,7 +170,7 @@ def mix_section(model: str | None, dtype: str, size: str, repeats: int = 1) -> S
 def issue2_section(model: str | None, dtype: str, size: str, repeats: int = 1) -> Section:
     from transformers import AutoTokenizer
 
-    from pagedchat.engine import loader
+    from pagedchat.engine.loading import loader
 
     tokenizer = AutoTokenizer.from_pretrained(loader.resolve_model(model))
     new_tokens = ISSUE2_SIZES[size]

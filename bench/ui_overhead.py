@@ -155,7 +155,7 @@ async def in_app(llm, tabs: int, reply: int) -> tuple[Times, float, Redraws]:
 
 def ui_overhead_section(model: str | None, dtype: str, tabs: int = 4, reply: int = 48, rounds: int = 5) -> Section:
     from pagedchat.tui.app import LABEL_COUNT_EVERY_S, MAX_DRAW_GAP_S, POLL_HZ, UI_CPU_SHARE
-    from pagedchat.engine.engine_thread import GIL_SWITCH_INTERVAL_S
+    from pagedchat.engine.runtime.engine_thread import GIL_SWITCH_INTERVAL_S
 
     load = load_average()
 

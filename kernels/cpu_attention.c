@@ -92,13 +92,14 @@ static void head_values(const float *p, const void *cache, int kind, const int64
  * its head of the sequence's new key and value (rows of Hkv heads at key + rows[s] * key_stride, value
  * likewise) in their slot, slots[rows[s]]: the new token's slot lies in a block of its own sequence's,
  * which no other task reads. */
-void pagedchat_decode_attention(const void *query, int64_t q_stride, const int64_t *rows, const void *key_cache,
+int pagedchat_decode_attention(const void *query, int64_t q_stride, const int64_t *rows, const void *key_cache,
                                 const void *value_cache, const int32_t *block_tables, int64_t table_width,
                                 const int32_t *seq_lens, int64_t num_seqs, int64_t num_q_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int kind, float scale,
                                 void *out, int64_t out_stride, const void *key, int64_t key_stride,
                                 const void *value, int64_t value_stride, const int64_t *slots, int threads) {
     const int64_t group = num_q_heads / num_kv_heads, size = kind == KIND_FP32 ? 4 : 2;
+    int failed = 0;
     #pragma omp parallel for num_threads(threads) schedule(dynamic)
     for (int64_t task = 0; task < num_seqs * num_kv_heads; task++) {
         const int64_t s = task / num_kv_heads, h = task % num_kv_heads, len = seq_lens[s];
@@ -111,7 +112,15 @@ void pagedchat_decode_attention(const void *query, int64_t q_stride, const int64
                    head_dim * size);
         }
         int64_t *at = malloc(sizeof(int64_t) * len);
-        float *q = malloc(sizeof(float) * (2 * head_dim + len)), *o = q + head_dim, *scores = o + head_dim;
+        float *q = malloc(sizeof(float) * (2 * head_dim + len));
+        if (!at || !q) {  /* the other tasks still run: an error is reported once all have */
+            free(at);
+            free(q);
+            #pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        float *o = q + head_dim, *scores = o + head_dim;
         for (int64_t b = 0, l = 0; l < len; b++)  /* block by block: a division a key costs as much as its dot */
             for (int64_t i = 0; i < block_size && l < len; i++, l++)
                 at[l] = (((int64_t)table[b] * block_size + i) * num_kv_heads + h) * head_dim;
@@ -129,4 +138,5 @@ void pagedchat_decode_attention(const void *query, int64_t q_stride, const int64
         free(at);
         free(q);
     }
+    return failed;
 }

@@ -87,7 +87,7 @@ static inline __attribute__((always_inline)) void head_values(const float *p, co
     for (int i = 0; i < vectors; i++) o[i] = _mm512_add_ps(a[i], b[i]);
 }
 
-void pagedchat_decode_attention_bf16(const uint16_t *query, int64_t q_stride, const int64_t *rows,
+int pagedchat_decode_attention_bf16(const uint16_t *query, int64_t q_stride, const int64_t *rows,
                                      const uint16_t *key_cache, const uint16_t *value_cache,
                                      const int32_t *block_tables, int64_t table_width, const int32_t *seq_lens,
                                      int64_t num_seqs, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -96,6 +96,7 @@ void pagedchat_decode_attention_bf16(const uint16_t *query, int64_t q_stride, co
                                      int64_t value_stride, const int64_t *slots, int threads) {
     (void)kind;  /* bf16: the caller checks */
     const int64_t group = num_q_heads / num_kv_heads, vectors = head_dim / 16;
+    int failed = 0;
     #pragma omp parallel for num_threads(threads) schedule(dynamic)
     for (int64_t task = 0; task < num_seqs * num_kv_heads; task++) {
         const int64_t s = task / num_kv_heads, h = task % num_kv_heads, len = seq_lens[s];
@@ -107,6 +108,13 @@ void pagedchat_decode_attention_bf16(const uint16_t *query, int64_t q_stride, co
         }
         int64_t *at = malloc(sizeof(int64_t) * len);
         float *scores = malloc(sizeof(float) * len);
+        if (!at || !scores) {  /* the other tasks still run: an error is reported once all have */
+            free(at);
+            free(scores);
+            #pragma omp atomic write
+            failed = 1;
+            continue;
+        }
         for (int64_t b = 0, l = 0; l < len; b++)
             for (int64_t i = 0; i < block_size && l < len; i++, l++)
                 at[l] = (((int64_t)table[b] * block_size + i) * num_kv_heads + h) * head_dim;
@@ -126,4 +134,5 @@ void pagedchat_decode_attention_bf16(const uint16_t *query, int64_t q_stride, co
         free(at);
         free(scores);
     }
+    return failed;
 }

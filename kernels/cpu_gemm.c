@@ -132,12 +132,14 @@ static void prepare_input(const void *x, int kind, int64_t M, int64_t K, int pre
 
 /* out [M, K] = pre(x) in x's dtype: the pre-op alone, for the rows of a product that oneDNN takes (CPUs with
  * bf16 instructions), where torch's own ops would be some ten calls of fixed cost for each norm */
-void pagedchat_pre_op(const void *x, int kind, int64_t M, int64_t K, int pre, const void *norm_weight, float eps,
-                      void *out, int threads) {
+int pagedchat_pre_op(const void *x, int kind, int64_t M, int64_t K, int pre, const void *norm_weight, float eps,
+                     void *out, int threads) {
     float *xs = malloc(sizeof(float) * M * K);
+    if (!xs) return 1;
     prepare_input(x, kind, M, K, pre, norm_weight, eps, xs, threads);
     for (int64_t i = 0; i < M * K; i += 8) store8(out, i, _mm256_loadu_ps(xs + i), kind);
     free(xs);
+    return 0;
 }
 
 static void weight_row(const float *x, int64_t M, int64_t K, const void *w, int kind, int64_t n, float *y,
@@ -183,12 +185,17 @@ void pagedchat_rotate(void *out, int kind, int64_t M, int64_t N, const void *cos
         }
 }
 
-void pagedchat_linear(const void *x, int kind, int64_t M, int64_t K, int pre, const void *norm_weight, float eps,
-                      const void *w, int w_kind, int64_t N, const float *bias, const void *residual, void *out,
-                      const void *cos, const void *sin_signed, int64_t rotated_heads, int64_t head_dim,
-                      int threads) {
+int pagedchat_linear(const void *x, int kind, int64_t M, int64_t K, int pre, const void *norm_weight, float eps,
+                     const void *w, int w_kind, int64_t N, const float *bias, const void *residual, void *out,
+                     const void *cos, const void *sin_signed, int64_t rotated_heads, int64_t head_dim,
+                     int threads) {
     float *xs = malloc(sizeof(float) * M * K);
     float *y = malloc(sizeof(float) * M * N);
+    if (!xs || !y) {
+        free(xs);
+        free(y);
+        return 1;
+    }
     prepare_input(x, kind, M, K, pre, norm_weight, eps, xs, threads);
     /* the columns in chunks of whole blocks, each finished (bias, residual, rounding) while it is in cache */
     int64_t chunks = (N + CHUNK - 1) / CHUNK;
@@ -220,4 +227,5 @@ void pagedchat_linear(const void *x, int kind, int64_t M, int64_t K, int pre, co
     if (rotated_heads) pagedchat_rotate(out, kind, M, N, cos, sin_signed, rotated_heads, head_dim, threads);
     free(xs);
     free(y);
+    return 0;
 }

@@ -94,7 +94,7 @@ def dequantize_rows(weight: torch.Tensor, ggml_type: int, depth: int, rows: torc
 
 @functools.cache
 def _kernel(symbol: str, isa: str) -> ctypes._CFuncPtr | None:
-    return native.function(SOURCE, symbol, ARGTYPES[symbol], isa=isa)
+    return native.function(SOURCE, symbol, isa=isa)
 
 
 def _isa(name: str | None) -> str:

@@ -21,15 +21,13 @@ are read once per KV head (SDPA's `enable_gqa` and `repeat_interleave` of K/V ar
 slower on the CPU in bf16). SDPA keeps the softmax in fp32 for half-precision inputs.
 """
 
-import ctypes
-import functools
 from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import cpu_attention
 from .metadata import AttentionMetadata
 
 
@@ -57,12 +55,14 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_c
         metadata.plan = _make_plan(metadata.block_tables_host, metadata.seq_lens_host, metadata.query_lens_host,
                                    key_cache.shape[1], query.shape[1] // key_cache.shape[2], key.device,
                                    fresh_prompts=True,
-                                   in_place_decode=_decodes_in_place(query, key_cache, value_cache))
+                                   in_place_decode=cpu_attention.takes(query, key_cache, value_cache))
     out = query.new_empty(query.shape)
     plan = metadata.plan
     if len(plan) == 1 and isinstance(plan[0], _Decode) and _rows_of_heads(key, value, key_cache):
         # a step of decodes only: cpu_attention.c stores the new K/V too, in the same pass
-        _attend_decode(plan[0], query, key_cache, value_cache, scale, out, (key, value, metadata.slot_mapping))
+        part = plan[0]
+        cpu_attention.decode(query, part.rows, key_cache, value_cache, part.block_tables, part.seq_lens, scale, out,
+                             (key, value, metadata.slot_mapping))
         return out
     _store_every_slot(key, value, key_cache, value_cache, metadata.slot_mapping)
     _run(plan, query, key, value, key_cache, value_cache, scale, out)
@@ -91,7 +91,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     tables = [row[: -(-n // block_size)] for row, n in zip(block_tables.tolist(), seq_lens_host)]
     plan = _make_plan(tables, seq_lens_host, query_lens, block_size, query.shape[1] // key_cache.shape[2],
                       query.device, fresh_prompts=False,
-                      in_place_decode=_decodes_in_place(query, key_cache, value_cache) and out.is_contiguous())
+                      in_place_decode=cpu_attention.takes(query, key_cache, value_cache) and out.is_contiguous())
     _run(plan, query, None, None, key_cache, value_cache, scale, out)
     return out
 
@@ -219,7 +219,8 @@ def _run(plan: list, query, key, value, key_cache, value_cache, scale, out) -> N
         elif isinstance(part, _Lone):
             _attend_lone(part, query, key_cache, value_cache, scale, out)
         elif isinstance(part, _Decode):
-            _attend_decode(part, query, key_cache, value_cache, scale, out)
+            cpu_attention.decode(query, part.rows, key_cache, value_cache, part.block_tables, part.seq_lens, scale,
+                                 out)
         else:
             _attend_batch(part, query, key_cache, value_cache, scale, out)
 
@@ -248,51 +249,6 @@ def _attend_lone(part: _Lone, query, key_cache, value_cache, scale, out) -> None
     o = F.scaled_dot_product_attention(q, context(key_cache), context(value_cache), attn_mask=part.mask,
                                        scale=scale)
     out[part.start:part.end] = o.view(num_kv_heads, q_len, group_size, head_dim).transpose(0, 1).flatten(1, 2)
-
-
-DECODE_ARGUMENTS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64,
-                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-
-
-@functools.cache
-def _native_decode() -> ctypes._CFuncPtr | None:
-    return native.function("cpu_attention.c", "pagedchat_decode_attention", DECODE_ARGUMENTS)
-
-
-@functools.cache
-def _native_decode_bf16() -> ctypes._CFuncPtr | None:
-    """cpu_attention_bf16.c's, with the same arguments: a bf16 cache on a CPU with avx512_bf16."""
-    return native.function("cpu_attention_bf16.c", "pagedchat_decode_attention_bf16", DECODE_ARGUMENTS,
-                           isa="avx512_bf16")
-
-
-def _decodes_in_place(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether cpu_attention.c takes these: built, on the CPU, one dtype it knows, heads of D contiguous."""
-    head_dim = query.shape[2]
-    return (_native_decode() is not None and query.device.type == "cpu" and query.dtype in native.KINDS
-            and query.dtype == key_cache.dtype == value_cache.dtype and query.stride()[1:] == (head_dim, 1)
-            and head_dim % 8 == 0 and key_cache.is_contiguous() and value_cache.is_contiguous())
-
-
-def _attend_decode(part: _Decode, query, key_cache, value_cache, scale, out,
-                   new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-    """`new`: (key, value, slot_mapping) of the step, stored by the same call (`_rows_of_heads`)."""
-    num_q_heads, head_dim = query.shape[1:]
-    block_size, num_kv_heads = key_cache.shape[1:3]
-    key, value, slots = (None, None, None) if new is None else new
-    bf16 = query.dtype == torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 256
-    attend = (_native_decode_bf16() if bf16 else None) or _native_decode()
-    attend(query.data_ptr(), query.stride(0), part.rows.data_ptr(), key_cache.data_ptr(),
-                     value_cache.data_ptr(), part.block_tables.data_ptr(), part.block_tables.shape[1],
-                     part.seq_lens.data_ptr(), len(part.rows), num_q_heads, num_kv_heads, head_dim, block_size,
-                     native.KINDS[query.dtype], scale, out.data_ptr(), out.stride(0),
-                     *_rows(key), *_rows(value), None if slots is None else slots.data_ptr(), torch.get_num_threads())
-
-
-def _rows(tensor: torch.Tensor | None) -> tuple[int | None, int]:
-    return (None, 0) if tensor is None else (tensor.data_ptr(), tensor.stride(0))
 
 
 def _attend_batch(plan: _Batch, query, key_cache, value_cache, scale, out) -> None:

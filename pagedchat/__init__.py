@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.api.params import SamplingParams
 
 # Installed, `kernels/` and `themes/` are the subpackages pagedchat.kernels and pagedchat.themes
 # (pyproject's package-dir). Run from a source checkout (`python -m pagedchat` in the repo root),

@@ -162,9 +162,9 @@ def attach_target(args: argparse.Namespace, argv: list[str]):
 def check_model(args: argparse.Namespace) -> dict:
     """Path, config, architecture, tokenizer, device, dtype, backend and pool size: the LLM's keyword
     arguments once all of them are known to work. May install or convert the model (with progress)."""
-    from pagedchat.engine import loader
+    from pagedchat.engine.loading import loader
     from pagedchat.engine.llm import kv_pool_blocks
-    from pagedchat.engine.model_runner import KVLayout
+    from pagedchat.engine.worker.model_runner import KVLayout
     from pagedchat.kernels import select_backend
 
     device = loader.resolve_device(args.device)
@@ -288,8 +288,8 @@ def log_to_file() -> Path:
 
 def checked_llm_kwargs(args: argparse.Namespace) -> dict:
     check_flags(args)
-    from pagedchat.engine.errors import one_line
-    from pagedchat.engine.loader import ModelError
+    from pagedchat.engine.api.errors import one_line
+    from pagedchat.engine.loading.loader import ModelError
 
     try:
         return check_model(args)
@@ -330,7 +330,7 @@ def leave_any_compile_behind(code: int) -> None:
     interpreter's teardown pulls the runtime from under it and the process aborts ("terminate called
     without an active exception", exit 134). The app is done and the terminal restored, the history
     committed as it went: leave at once instead. The compile starts again, from its cache, next time."""
-    from pagedchat.engine import compiled_decode
+    from pagedchat.engine.worker import compiled_decode
 
     if compiled_decode.compiling():
         logging.shutdown()
@@ -366,7 +366,7 @@ def serve_main(argv: list[str]) -> int:
         print(f"pagedchat: error: {exc}", file=sys.stderr)
         return 2
 
-    from pagedchat.engine.errors import one_line
+    from pagedchat.engine.api.errors import one_line
     from pagedchat.engine.llm import LLM
 
     config = ServeConfig(args.host, args.port, args.api_key, args.served_model_name or model_id(args.model),
@@ -386,7 +386,7 @@ def serve_main(argv: list[str]) -> int:
 
 def model_id(model: str | None) -> str:
     """The served model's name: the folder's, or the GGUF file's stem (the default model is a GGUF)."""
-    from pagedchat.engine.loader import DEFAULT_MODEL_FILE
+    from pagedchat.engine.loading.loader import DEFAULT_MODEL_FILE
 
     path = Path(model or DEFAULT_MODEL_FILE).expanduser()
     return path.stem if path.suffix == ".gguf" else path.name

@@ -15,7 +15,7 @@ from vllm_server import BLOCK_SIZE, vllm_python, vllm_server
 from pagedchat import SamplingParams
 from pagedchat.attach.client import ApiClient, ApiError
 from pagedchat.attach.metrics import ServerMetrics, parse_metrics, rate
-from pagedchat.engine.snapshot import snapshot_from_json, snapshot_to_json
+from pagedchat.engine.api.snapshot import snapshot_from_json, snapshot_to_json
 
 MESSAGES = [{"role": "user", "content": "Tell me about paged attention."}]
 VLLM_METRICS = Path(__file__).parent / "fixtures" / "vllm_metrics.txt"

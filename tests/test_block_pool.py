@@ -6,10 +6,10 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedchat.engine.block_pool import BlockPool
-from pagedchat.engine.kv_manager import KVCacheManager
-from pagedchat.engine.params import SamplingParams
-from pagedchat.engine.sequence import Sequence
+from pagedchat.engine.core.block_pool import BlockPool
+from pagedchat.engine.core.kv_manager import KVCacheManager
+from pagedchat.engine.api.params import SamplingParams
+from pagedchat.engine.core.sequence import Sequence
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24

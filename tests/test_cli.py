@@ -159,9 +159,9 @@ def needed_for(tiny_model, kv_memory: str) -> tuple[int, int]:
     import torch
     from safetensors import safe_open
 
-    from pagedchat.engine.loader import check_model
+    from pagedchat.engine.loading.loader import check_model
     from pagedchat.engine.llm import kv_pool_blocks, parse_size
-    from pagedchat.engine.model_runner import KVLayout
+    from pagedchat.engine.worker.model_runner import KVLayout
 
     config = check_model(tiny_model)
     per_block = KVLayout.of(config).bytes_per_block(16, torch.float32)

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from pagedchat import SamplingParams
-from pagedchat.engine import compiled_decode, lean_model
+from pagedchat.engine.worker import compiled_decode
+from pagedchat.engine.layers import plan as kernel_plan
 from test_engine import hf_greedy, make_llm, random_prompts
 
 
@@ -19,7 +20,7 @@ def compiling(tmp_path, monkeypatch):
     inductor's cache folder as importing torch._dynamo leaves it, the user cache folder in tmp_path."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(default_cache_dir()))
-    monkeypatch.setattr(lean_model, "linear_for", lambda dtype, device: F.linear)
+    monkeypatch.setattr(kernel_plan, "linear_for", lambda dtype, device: F.linear)
 
 
 def compiled_llm(path) -> tuple:

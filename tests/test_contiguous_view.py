@@ -5,7 +5,7 @@ import dataclasses
 from test_tui_app import LONG, loaded, make_app  # noqa: F401 (make_app is a fixture)
 from test_tui_support import PanelApp, async_test, frozen_llm, make_snapshot, wait_until
 
-from pagedchat.engine.snapshot import RequestInfo
+from pagedchat.engine.api.snapshot import RequestInfo
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.contiguous_view import (MODEL_LABEL, ContiguousView, Reservation, contiguous_model,
                                            contiguous_text, first_fit)

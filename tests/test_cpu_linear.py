@@ -8,9 +8,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedchat.engine import cpu_gemm, cpu_gemm_bf16, cpu_linear
-from pagedchat.engine.cpu_linear import CpuLinear, linear_for
-from pagedchat.engine.layer_ops import TORCH_OPS, LayerOps, rms_norm, rotate
+from pagedchat.engine.layers import linear as cpu_linear
+from pagedchat.engine.layers.linear import CpuLinear, linear_for
+from pagedchat.engine.layers.norm import rms_norm
+from pagedchat.engine.layers.ops import LayerOps
+from pagedchat.engine.layers.plan import KernelPlan, plan_for, torch_plan
+from pagedchat.engine.layers.rotary import rotate
+from pagedchat.kernels import cpu_gemm, cpu_gemm_bf16, native
+
+CPU = torch.device("cpu")
+
+
+def ops_of(linear: CpuLinear, dtype: torch.dtype) -> LayerOps:
+    return LayerOps(KernelPlan(dtype, CPU, linear, "torch"))
 
 needs_gemm = pytest.mark.skipif(not cpu_gemm.NEEDED_FLAGS <= cpu_gemm.cpu_flags(),
                                 reason="the CPU lacks AVX2, FMA or F16C")
@@ -88,7 +98,7 @@ def test_the_fused_ops_are_torch_ops_around_the_exact_product(dtype, rows, gemm_
     depth, width = 264, 100
     x, gate_up, residual = randn(rows, depth, scale=3), randn(rows, 2 * depth, scale=2), randn(rows, width)
     norm_weight, weight, bias = 1 + randn(depth, scale=0.1), randn(width, depth, scale=0.1), randn(width)
-    ops = LayerOps(CpuLinear(half_rows=0, gemm_rows=gemm_rows))
+    ops = ops_of(CpuLinear(half_rows=0, gemm_rows=gemm_rows), dtype)
 
     def close(fused, inputs, plus):
         exact = plus.double() + F.linear(inputs.double(), weight.double(), bias.double())
@@ -107,11 +117,11 @@ def test_the_fused_ops_are_torch_ops_around_the_exact_product(dtype, rows, gemm_
     rotated = ops.norm_matmul(x, norm_weight, 1e-6, weight, bias, rotary=(cos, sin, 4))
     assert torch.equal(rotated[:, :96], rotate(plain[:, :96].view(rows, 4, 24), cos, sin).flatten(1))
     assert torch.equal(rotated[:, 96:], plain[:, 96:])
-    unfused = LayerOps(CpuLinear(half_rows=rows, gemm_rows=math.inf))  # too few rows: torch's ops, as they are
+    unfused = ops_of(CpuLinear(half_rows=rows, gemm_rows=math.inf), dtype)  # too few rows: torch's ops, as they are
     assert torch.equal(unfused.silu_matmul(gate_up, weight, bias, residual),
-                       TORCH_OPS.silu_matmul(gate_up, weight, bias, residual))
+                       LayerOps(torch_plan(dtype, CPU)).silu_matmul(gate_up, weight, bias, residual))
     assert torch.equal(unfused.norm_matmul(x, norm_weight, 1e-6, weight, bias, rotary=(cos, sin, 4)),
-                       TORCH_OPS.norm_matmul(x, norm_weight, 1e-6, weight, bias, rotary=(cos, sin, 4)))
+                       LayerOps(torch_plan(dtype, CPU)).norm_matmul(x, norm_weight, 1e-6, weight, bias, rotary=(cos, sin, 4)))
 
 
 def test_a_weight_the_kernel_does_not_take_goes_to_onednn():
@@ -188,3 +198,38 @@ def test_the_packed_bf16_product_is_the_exact_one_rounded_once(rows, width, dept
     assert ((product.double() - exact).abs() <= torch.finfo(torch.bfloat16).eps * exact.abs() + 1e-5 * scale).all()
     assert len(linear.packed_bf16.reordered) == 1 and not linear.onednn.reordered
     assert torch.equal(linear(x, weight, bias), product)
+
+
+def test_the_plan_says_in_one_line_what_runs(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "cpu_has_fast_bf16", lambda: False)
+    bf16 = plan_for(torch.bfloat16, CPU, "torch")
+    if cpu_gemm.kernel() is not None:
+        assert bf16.describe().startswith("bf16 on ")
+        assert ": 1+ rows cpu_gemm; decode attention cpu_attention" in bf16.describe(), bf16.describe()
+        assert not bf16.one_row_is_torch_product
+    assert plan_for(torch.float16, torch.device("meta"), "triton").describe() == \
+        "fp16 on meta: torch's product; decode attention triton"
+    assert torch_plan(torch.float32, CPU).one_row_is_torch_product
+
+
+def test_a_kernel_that_cannot_be_built_is_named_with_its_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no library built before
+    monkeypatch.setenv("PATH", str(tmp_path))  # no compiler
+    monkeypatch.setenv("CC", "cc")
+    monkeypatch.setattr(native, "_problems", {})
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset(native.AVX2_CPU_FLAGS))
+    native.library.cache_clear()
+    try:
+        line = plan_for(torch.float32, CPU, "torch").describe()
+    finally:
+        native.library.cache_clear()  # built anew, from the real cache folder, by the next caller
+    assert "cpu_gemm.c not built (no C compiler (cc or gcc) on PATH: install gcc): torch stands in" in line, line
+
+
+def test_kernel_signatures_come_from_the_c_prototypes():
+    result, arguments = native.prototype(native.HERE / "cpu_gemm.c", "pagedchat_linear")
+    assert len(arguments) == 18 and result is not None  # returns 0, or 1 out of memory
+    kernel = cpu_gemm.kernel()
+    if kernel is not None:
+        with pytest.raises(TypeError):
+            kernel(0, 0)  # ctypes refuses a call that does not match the prototype

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, GPT2Config
 
-from pagedchat.engine import loader
-from pagedchat.engine.loader import (ModelError, check_model, load_model, model_context_len, resolve_device,
+from pagedchat.engine.loading import loader
+from pagedchat.engine.loading.loader import (ModelError, check_model, load_model, model_context_len, resolve_device,
                                      resolve_dtype, resolve_model)
 from conftest import build_tiny_model
 
@@ -202,6 +202,18 @@ def test_check_model_applies_the_window(tmp_path):
     model = build_tiny_model(tmp_path / "mistral", "mistral", sliding_window=64)
     assert check_model(model).sliding_window == 64
     assert "sliding window of 64" in model_error(check_model, model, 128)
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (dict(hidden_act="gelu"), "activation 'gelu'"),
+    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}), "rope scaling 'dynamic'"),
+])
+def test_check_model_refuses_what_the_forward_cannot_run_before_loading(tmp_path, overrides, said):
+    model = build_tiny_model(tmp_path / "odd", "llama", **overrides)
+    for weights in model.glob("*.safetensors"):
+        weights.write_bytes(weights.read_bytes()[:-8])  # truncated: loading them would say so instead
+    message = model_error(check_model, model)
+    assert said in message and "truncated" not in message, message
 
 
 # --- device and dtype ---------------------------------------------------------------------------------

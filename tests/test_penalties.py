@@ -10,9 +10,9 @@ from test_serve import GREEDY, POOL, Live
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from pagedchat import SamplingParams
-from pagedchat.engine import sampler
+from pagedchat.engine.worker import sampler
 from pagedchat.engine.chat import ChatSession
-from pagedchat.engine.sequence import Sequence
+from pagedchat.engine.core.sequence import Sequence
 
 
 # ---- repetition penalty: HF's generate, token for token ------------------------------------------

@@ -5,8 +5,8 @@ from bench.invariants import assert_all_free
 from test_engine import GREEDY, hf_greedy, make_llm, random_prompts, run_to_end
 
 from pagedchat import SamplingParams
-from pagedchat.engine import kv_manager
-from pagedchat.engine.block_pool import chain_hash
+from pagedchat.engine.core import kv_manager
+from pagedchat.engine.core.block_pool import chain_hash
 
 BS = 4
 

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_engine import make_llm
 
 from pagedchat import SamplingParams
-from pagedchat.engine import compiled_decode
+from pagedchat.engine.worker import compiled_decode
 from pagedchat.engine.chat import ChatSession
 from pagedchat.serve.run import ServeConfig, make_server
 

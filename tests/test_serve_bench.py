@@ -141,7 +141,7 @@ def test_every_server_binds_loopback_with_the_slots_and_no_prefix_caching(monkey
     monkeypatch.setattr(serve_bench.peers, "llama_ready", lambda: True)
     monkeypatch.setattr(serve_bench.peers, "vllm_ready", lambda: True)
     monkeypatch.setattr(serve_bench.peers, "gguf_path", lambda t: f"/m.{t}.gguf")
-    from pagedchat.engine import loader
+    from pagedchat.engine.loading import loader
     monkeypatch.setattr(loader, "resolve_model", lambda m, progress=True: "/model")
     s = serve_bench.Settings("bfloat16", 2, 16, 8192)
     for peer in serve_bench.PEERS:

@@ -8,7 +8,7 @@ from test_tui_app import loaded, make_app  # noqa: F401 (make_app is a fixture)
 from test_tui_support import PanelApp, async_test, make_snapshot, wait_until
 
 from pagedchat import SamplingParams
-from pagedchat.engine.snapshot import snapshot_from_json, snapshot_to_json
+from pagedchat.engine.api.snapshot import snapshot_from_json, snapshot_to_json
 from pagedchat.tui.block_grid import MARK_GLYPHS, BlockGrid
 from pagedchat.tui.block_tables import BlockTables
 from pagedchat.tui.kv_panel import KVPanel

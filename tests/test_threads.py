@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from pagedchat.engine import threads
-from pagedchat.engine.threads import ThreadPolicy
+from pagedchat.engine.runtime import threads
+from pagedchat.engine.runtime.threads import ThreadPolicy
 
 
 def test_threads_are_the_free_cores(monkeypatch):
@@ -90,7 +90,7 @@ def test_in_own_thread_returns_or_raises_from_a_thread_that_then_ends():
     import asyncio
     import threading
 
-    from pagedchat.engine.own_thread import in_own_thread
+    from pagedchat.engine.runtime.own_thread import in_own_thread
 
     def where() -> tuple[int, str]:
         return threading.get_ident(), threading.current_thread().name

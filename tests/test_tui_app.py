@@ -22,7 +22,7 @@ from pagedchat.tui.loading_screen import LoadingScreen
 from pagedchat.tui.message_box import MessageBox
 from pagedchat.tui.restore_screen import RestoreScreen
 from pagedchat.tui.settings_screen import SettingsScreen
-from pagedchat.engine.engine_thread import EngineThread
+from pagedchat.engine.runtime.engine_thread import EngineThread
 
 SIZE = (160, 50)
 # ignore_eos: the random model may end a reply at once; these replies must run long enough to watch.

@@ -6,7 +6,7 @@ from test_tui_app import SIZE, loaded, make_app, reply_done  # noqa: F401 (make_
 from test_tui_support import async_test, wait_until
 from textual.widgets import Input, TextArea
 
-from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.api.params import SamplingParams
 from pagedchat.history import History
 from pagedchat.tui.chat_backend import LocalChat
 from pagedchat.tui.chat_record import settings_of

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from conftest import byte_tokenizer
 from textual.app import App, ComposeResult
 
-from pagedchat.engine.snapshot import BlockEvent, BlockInfo, KVSnapshot, RequestInfo
+from pagedchat.engine.api.snapshot import BlockEvent, BlockInfo, KVSnapshot, RequestInfo
 from pagedchat.tui.kv_panel import KVPanel
 from pagedchat.tui.themes import DEFAULT_THEME, load_themes
 

@@ -9,9 +9,9 @@ import pytest
 
 from test_tui_support import make_snapshot
 
-from pagedchat.engine.outputs import CompletionOutput, RequestOutput
-from pagedchat.engine.params import SamplingParams
-from pagedchat.engine.engine_thread import GIL_SWITCH_INTERVAL_S, EngineThread
+from pagedchat.engine.api.outputs import CompletionOutput, RequestOutput
+from pagedchat.engine.api.params import SamplingParams
+from pagedchat.engine.runtime.engine_thread import GIL_SWITCH_INTERVAL_S, EngineThread
 from pagedchat.tui.worker import EngineError, EngineOutput, WidgetSink
 
 PARAMS = SamplingParams(max_tokens=4)

@@ -37,7 +37,7 @@ def vllm_server(env: Mapping[str, str] = {}) -> Iterator[tuple[str, str]]:
     """(base URL, `--kv-events` value) of a started, healthy server, `env` added to its environment
     (`VLLM_SERVER_DEV_MODE=1`: /reset_prefix_cache, which publishes AllBlocksCleared;
     `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`: sha256 digests for hashes)."""
-    from pagedchat.engine import loader
+    from pagedchat.engine.loading import loader
 
     python = vllm_python()
     assert python is not None, "the bench peers' vLLM venv is not built"

@@ -10,9 +10,9 @@ import httpx
 
 from pagedchat.attach.metrics import ServerMetrics, parse_metrics
 from pagedchat.attach.sse import server_sent
-from pagedchat.engine.errors import one_line
-from pagedchat.engine.params import SamplingParams
-from pagedchat.engine.snapshot import BlockEvent, KVSnapshot, snapshot_from_json
+from pagedchat.engine.api.errors import one_line
+from pagedchat.engine.api.params import SamplingParams
+from pagedchat.engine.api.snapshot import BlockEvent, KVSnapshot, snapshot_from_json
 
 TIMEOUT = httpx.Timeout(30.0)
 # A stream may be silent for long: a long prefill, a busy server, a block-event stream with no events.

@@ -19,7 +19,7 @@ from pagedchat.attach.client import ApiClient, ApiError
 from pagedchat.attach.kv_events import Hash, KVEventStream
 from pagedchat.attach.metrics import ServerMetrics, rate
 from pagedchat.attach.prefix_tree import Eviction, PrefixTree
-from pagedchat.engine.snapshot import KVSnapshot
+from pagedchat.engine.api.snapshot import KVSnapshot
 
 METRICS_EVERY_S = 0.33  # the 2-4 Hz
 SNAPSHOT_EVERY_S = 0.1  # pagedchat serve: at most this often, however fast its events come

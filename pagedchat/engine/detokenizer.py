@@ -1,4 +1,4 @@
-from pagedchat.engine.sequence import Sequence
+from pagedchat.engine.core.sequence import Sequence
 
 
 def detokenize_step(tokenizer, seq: Sequence) -> str:

@@ -3,12 +3,12 @@ import os
 import re
 from collections.abc import Sequence as SequenceABC
 
-from pagedchat.engine import loader
-from pagedchat.engine.compiled_decode import compiling_by_default
+from pagedchat.engine.loading import loader
+from pagedchat.engine.worker.compiled_decode import compiling_by_default
 from pagedchat.engine.llm_engine import EngineConfig, LLMEngine
-from pagedchat.engine.model_runner import KVLayout
-from pagedchat.engine.outputs import RequestOutput
-from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.worker.model_runner import KVLayout
+from pagedchat.engine.api.outputs import RequestOutput
+from pagedchat.engine.api.params import SamplingParams
 from pagedchat.kernels import select_backend
 
 DEFAULT_NUM_KV_BLOCKS = 512

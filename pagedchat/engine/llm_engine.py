@@ -7,16 +7,16 @@ from types import MappingProxyType, ModuleType
 import torch
 
 from pagedchat.engine import detokenizer
-from pagedchat.engine.block_pool import BlockPool
-from pagedchat.engine.kv_manager import KVCacheManager
-from pagedchat.engine.model_runner import ModelRunner
-from pagedchat.engine.outputs import CompletionOutput, RequestOutput
-from pagedchat.engine.params import SamplingParams
-from pagedchat.engine.sampler import sample
-from pagedchat.engine.scheduler import ScheduledSeq, Scheduler
-from pagedchat.engine.sequence import Sequence, Status, make_generator
-from pagedchat.engine.snapshot import BlockInfo, KVSnapshot, RequestInfo
-from pagedchat.engine.threads import ThreadPolicy
+from pagedchat.engine.core.block_pool import BlockPool
+from pagedchat.engine.core.kv_manager import KVCacheManager
+from pagedchat.engine.worker.model_runner import ModelRunner
+from pagedchat.engine.api.outputs import CompletionOutput, RequestOutput
+from pagedchat.engine.api.params import SamplingParams
+from pagedchat.engine.worker.sampler import sample
+from pagedchat.engine.core.scheduler import ScheduledSeq, Scheduler
+from pagedchat.engine.core.sequence import Sequence, Status, make_generator
+from pagedchat.engine.api.snapshot import BlockInfo, KVSnapshot, RequestInfo
+from pagedchat.engine.runtime.threads import ThreadPolicy
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class LLMEngine:
         self.threads = ThreadPolicy() if config.num_threads is None else None
         self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size, attention_ops, config.max_model_len,
                                   config.compile)
+        log.info("kernel plan: %s", self.runner.plan.describe())
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.groups: dict[str, list[Sequence]] = {}  # request id -> its samples: the requests the engine knows
         self.step_count = 0

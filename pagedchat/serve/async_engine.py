@@ -5,10 +5,10 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pagedchat.engine.engine_thread import EngineThread
-from pagedchat.engine.outputs import RequestOutput
-from pagedchat.engine.params import SamplingParams
-from pagedchat.engine.snapshot import KVSnapshot
+from pagedchat.engine.runtime.engine_thread import EngineThread
+from pagedchat.engine.api.outputs import RequestOutput
+from pagedchat.engine.api.params import SamplingParams
+from pagedchat.engine.api.snapshot import KVSnapshot
 
 
 class EngineFailure(Exception):

@@ -2,9 +2,9 @@
 
 from dataclasses import dataclass
 
-from pagedchat.engine.compiled_decode import compiling
-from pagedchat.engine.outputs import RequestOutput
-from pagedchat.engine.snapshot import KVSnapshot
+from pagedchat.engine.worker.compiled_decode import compiling
+from pagedchat.engine.api.outputs import RequestOutput
+from pagedchat.engine.api.snapshot import KVSnapshot
 
 
 @dataclass

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from pagedchat.engine.engine_thread import EngineThread
-from pagedchat.engine.own_thread import in_own_thread
+from pagedchat.engine.runtime.engine_thread import EngineThread
+from pagedchat.engine.runtime.own_thread import in_own_thread
 from pagedchat.serve.async_engine import AsyncEngine
 from pagedchat.serve.server import Served, ServerState, build_app
 from pagedchat.serve.sessions import Sessions

@@ -13,8 +13,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from pagedchat.engine.outputs import RequestOutput
-from pagedchat.engine.snapshot import snapshot_to_json
+from pagedchat.engine.api.outputs import RequestOutput
+from pagedchat.engine.api.snapshot import snapshot_to_json
 from pagedchat.serve import metrics
 from pagedchat.serve.async_engine import AsyncEngine, EngineFailure
 from pagedchat.serve.protocol import ApiError, ChatCompletion, Detokenize, TextCompletion, Tokenize

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedchat.engine.chat import ChatSession
-from pagedchat.engine.outputs import RequestOutput
+from pagedchat.engine.api.outputs import RequestOutput
 
 
 @dataclass

@@ -23,11 +23,11 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, TabbedContent, Tabs
 
-from pagedchat.engine.errors import one_line
-from pagedchat.engine.engine_thread import EngineThread
-from pagedchat.engine.own_thread import in_own_thread
-from pagedchat.engine.params import SamplingParams
-from pagedchat.engine.snapshot import KVSnapshot
+from pagedchat.engine.api.errors import one_line
+from pagedchat.engine.runtime.engine_thread import EngineThread
+from pagedchat.engine.runtime.own_thread import in_own_thread
+from pagedchat.engine.api.params import SamplingParams
+from pagedchat.engine.api.snapshot import KVSnapshot
 from pagedchat.history import History, SavedChat
 from pagedchat.tui.chat_backend import ChatBackend, LocalChat
 from pagedchat.tui.chat_pane import ChatPane

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pagedchat.attach.client import ApiClient, ApiError, ServerInfo
 from pagedchat.attach.watch import GridWatch, LogicalSnapshot, LogicalWatch
-from pagedchat.engine.snapshot import KVSnapshot
+from pagedchat.engine.api.snapshot import KVSnapshot
 from pagedchat.tui.logical_panel import LogicalPanel
 from pagedchat.tui.remote_chat import RemoteChat
 

@@ -5,7 +5,7 @@ from collections.abc import Callable
 from rich.text import Text
 from textual.widgets import Static
 
-from pagedchat.engine.snapshot import BlockInfo
+from pagedchat.engine.api.snapshot import BlockInfo
 from pagedchat.tui.themes import SessionTag
 
 HINT = "click a block, or focus the grid (tab) and use the arrow keys, to see what it holds"

@@ -18,7 +18,7 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from pagedchat.engine.snapshot import BlockInfo, KVSnapshot
+from pagedchat.engine.api.snapshot import BlockInfo, KVSnapshot
 from pagedchat.tui.step_marks import Mark
 from pagedchat.tui.themes import SessionTag
 

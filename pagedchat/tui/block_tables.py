@@ -4,7 +4,7 @@ from collections.abc import Callable
 
 from rich.text import Text
 
-from pagedchat.engine.snapshot import KVSnapshot
+from pagedchat.engine.api.snapshot import KVSnapshot
 from pagedchat.tui.step_marks import StepTouch, step_touch
 from pagedchat.tui.text_panel import TextPanel
 from pagedchat.tui.themes import SessionTag

@@ -8,9 +8,9 @@ errors come back through the tab's sink, on whichever thread the backend runs th
 from typing import Protocol
 
 from pagedchat.engine.chat import ChatSession
-from pagedchat.engine.engine_thread import EngineThread, Sink
-from pagedchat.engine.outputs import RequestOutput
-from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.runtime.engine_thread import EngineThread, Sink
+from pagedchat.engine.api.outputs import RequestOutput
+from pagedchat.engine.api.params import SamplingParams
 from pagedchat.tui.conversation import ChatSessionLike, Send
 
 

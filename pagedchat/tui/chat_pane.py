@@ -6,7 +6,7 @@ from textual.content import Content
 from textual.containers import VerticalScroll
 from textual.widgets import Button, Static, TabPane
 
-from pagedchat.engine.outputs import CompletionOutput, RequestOutput
+from pagedchat.engine.api.outputs import CompletionOutput, RequestOutput
 from pagedchat.tui.chat_backend import ChatBackend
 from pagedchat.tui.chat_message import ChatMessage, visible
 from pagedchat.tui.chat_record import ChatRecord

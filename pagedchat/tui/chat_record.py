@@ -6,7 +6,7 @@ second, so a crash or `kill -KILL` loses at most the last second of it.
 
 import time
 
-from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.api.params import SamplingParams
 from pagedchat.history import History
 from pagedchat.tui.conversation import Conversation
 

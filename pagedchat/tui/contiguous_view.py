@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from rich.text import Text
 
-from pagedchat.engine.snapshot import KVSnapshot
+from pagedchat.engine.api.snapshot import KVSnapshot
 from pagedchat.tui.kv_stats import LIVE, contiguous_blocks
 from pagedchat.tui.text_panel import TextPanel
 from pagedchat.tui.themes import SessionTag

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.api.params import SamplingParams
 
 DEFAULT_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512, frequency_penalty=0.5)  # bench/loops.py
 

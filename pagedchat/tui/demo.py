@@ -13,7 +13,7 @@
 import itertools
 from dataclasses import dataclass
 
-from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.api.params import SamplingParams
 
 SYSTEM_PROMPT = (
     "You are a patient teacher in a terminal chat app that shows how a language model's key-value "

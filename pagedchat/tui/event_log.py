@@ -8,7 +8,7 @@ from textual.geometry import Size
 from textual.reactive import Reactive
 from textual.widgets import RichLog
 
-from pagedchat.engine.snapshot import BlockEvent, KVSnapshot
+from pagedchat.engine.api.snapshot import BlockEvent, KVSnapshot
 from pagedchat.tui.themes import SessionTag
 
 MAX_IDS = 8  # block ids listed per line; a long prefill allocates dozens in one step

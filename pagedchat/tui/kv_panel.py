@@ -7,7 +7,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Static
 
-from pagedchat.engine.snapshot import KVSnapshot
+from pagedchat.engine.api.snapshot import KVSnapshot
 from pagedchat.tui.block_detail import BlockDetail
 from pagedchat.tui.block_grid import MARK_GLYPHS, BlockGrid
 from pagedchat.tui.block_tables import BlockTables

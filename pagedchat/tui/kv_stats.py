@@ -2,7 +2,7 @@
 
 from rich.text import Text
 
-from pagedchat.engine.snapshot import KVSnapshot
+from pagedchat.engine.api.snapshot import KVSnapshot
 from pagedchat.tui.text_panel import TextPanel
 
 LIVE = ("waiting", "running", "preempted", "parked")  # requests that hold (or will hold) blocks

@@ -10,10 +10,10 @@ import logging
 import uuid
 
 from pagedchat.attach.client import ApiClient, ApiError
-from pagedchat.engine.engine_thread import Sink
-from pagedchat.engine.errors import one_line
-from pagedchat.engine.outputs import CompletionOutput, RequestOutput
-from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.runtime.engine_thread import Sink
+from pagedchat.engine.api.errors import one_line
+from pagedchat.engine.api.outputs import CompletionOutput, RequestOutput
+from pagedchat.engine.api.params import SamplingParams
 from pagedchat.tui.conversation import Send
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static, TextArea
 
-from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.api.params import SamplingParams
 
 
 # The sampling fields, row by row: SamplingParams' name, the label, the tooltip.

@@ -4,7 +4,7 @@ that received the new tokens' K/V (from `RequestInfo.num_computed_before_step`).
 from dataclasses import dataclass
 from typing import Literal
 
-from pagedchat.engine.snapshot import KVSnapshot, RequestInfo
+from pagedchat.engine.api.snapshot import KVSnapshot, RequestInfo
 
 Mark = Literal["read", "written"]
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from textual.message import Message
 from textual.message_pump import MessagePump
 
-from pagedchat.engine.outputs import RequestOutput
+from pagedchat.engine.api.outputs import RequestOutput
 
 
 class EngineOutput(Message):

@@ -2,7 +2,7 @@ import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from pagedchat.engine.snapshot import BlockEvent
+from pagedchat.engine.api.snapshot import BlockEvent
 
 MAX_EVENTS = 400
 

@@ -1,8 +1,8 @@
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedchat.engine.kv_manager import KVCacheManager
-from pagedchat.engine.sequence import Sequence, Status
+from pagedchat.engine.core.kv_manager import KVCacheManager
+from pagedchat.engine.core.sequence import Sequence, Status
 
 
 @dataclass(slots=True)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedchat.engine import cpu_gemm, cpu_gemm_bf16
+from pagedchat.kernels import cpu_gemm, cpu_gemm_bf16
 
 MAX_HALF_ROWS = 2
 REORDER_BATCH_HINT = 64  # the batch size oneDNN lays a reordered weight out for; any batch may use it

@@ -1,4 +1,5 @@
-"""pagedchat's own forward for Llama, Mistral, Qwen2 and Qwen3, on the weights transformers loaded.
+"""pagedchat's own forward for Llama and the families that share its layer (Mistral, Qwen2; Qwen3 in qwen3.py),
+on the weights transformers loaded.
 
 The stock transformers modules spend a CPU step in Python and in small ops (one chat's bf16 decode
 step of the default model made 10,073 torch calls); this forward does the same arithmetic in fewer,
@@ -17,12 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedchat.engine.cpu_linear import linear_for
-from pagedchat.engine.layer_ops import TORCH_OPS, LayerOps, rms_norm, rotate
+from pagedchat.engine.layers.ops import LayerOps
+from pagedchat.engine.layers.plan import KernelPlan, torch_plan
 from pagedchat.kernels import AttentionMetadata, torch_ops
 
-LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(slots=True)
@@ -30,7 +29,7 @@ class LeanLayer:
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]
     qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None  # Qwen3: RMSNorm over each head before rotary
+    q_norm: torch.Tensor | None  # Qwen3: RMSNorm over each head before rotary (qwen3.py)
     k_norm: torch.Tensor | None
     o_proj: torch.Tensor
     o_bias: torch.Tensor | None
@@ -41,17 +40,13 @@ class LeanLayer:
     down_bias: torch.Tensor | None
 
 
-class LeanModel:
-    """Runs a loaded transformers causal LM on one packed step with paged KV; see the module's docstring."""
+class LlamaModel:
+    """Runs a loaded transformers causal LM on one packed step with paged KV; see the module's docstring. The
+    model's config was checked by `models.check_config` before it loaded."""
 
-    def __init__(self, model: nn.Module, max_positions: int):
+    def __init__(self, model: nn.Module, max_positions: int, plan: KernelPlan):
         config = model.config
-        if type(model).__name__ not in LEAN_ARCHITECTURES or config.hidden_act != "silu":
-            raise ValueError(f"no lean forward for {type(model).__name__} with {config.hidden_act}")
         base = model.model
-        if getattr(base.rotary_emb, "rope_type", "default") in LENGTH_DEPENDENT_ROPE:
-            raise ValueError(f"rope scaling {base.rotary_emb.rope_type!r} depends on the sequence's length, "
-                             "which a rotary table made once cannot follow")
         attn = base.layers[0].self_attn
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -62,12 +57,13 @@ class LeanModel:
         self.final_norm = base.norm.weight
         self.lm_head = model.lm_head.weight
         self.layers = [_fuse_layer(layer) for layer in base.layers]
-        self.ops = LayerOps(linear_for(self.embed.dtype, self.embed.device))
+        self.ops = LayerOps(plan)
+        self.torch_ops = LayerOps(torch_plan(plan.dtype, plan.device))
         positions = torch.arange(max_positions, device=self.embed.device)[None]
         cos, sin = base.rotary_emb(self.embed[:1], positions)  # [1, P, D] in the model's dtype
         half = self.head_dim // 2
         self.cos = cos[0]
-        # for layer_ops.rotate
+        # for layers.rotary.rotate
         self.sin_signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
 
     @torch.inference_mode()
@@ -92,11 +88,11 @@ class LeanModel:
         cos, sin = self.cos[positions], self.sin_signed[positions]
         residual = F.embedding(input_ids, self.embed)
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
-            q, k, v = self.attention_inputs(residual, cos, sin, layer, TORCH_OPS)
+            q, k, v = self.attention_inputs(residual, cos, sin, layer, self.torch_ops)
             o = torch_ops.decode_attention(q, k, v, key_cache, value_cache, slot_mapping, block_tables, seq_lens,
                                            self.scale)
-            residual = self.mlp(o, residual, layer, TORCH_OPS)
-        return self.logits(residual, TORCH_OPS)
+            residual = self.mlp(o, residual, layer, self.torch_ops)
+        return self.logits(residual, self.torch_ops)
 
     def logits(self, residual: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         return ops.norm_matmul(residual, self.final_norm, self.eps, self.lm_head, None)
@@ -104,17 +100,15 @@ class LeanModel:
     def attention_inputs(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: LeanLayer,
                          ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, Hq, D] and k [T, Hkv, D] rotated, v [T, Hkv, D], from the residual stream entering a layer."""
-        num_tokens, heads, dim = residual.shape[0], self.num_heads, self.head_dim
-        qk_heads = heads + self.num_kv_heads
-        norm_heads = layer.q_norm is not None  # Qwen3 norms each head of q and k before rotating it
         qkv = ops.norm_matmul(residual, layer.input_norm, self.eps, layer.qkv, layer.qkv_bias,
-                              None if norm_heads else (cos, sin, qk_heads))
+                              (cos, sin, self.num_heads + self.num_kv_heads))
+        return self.split_heads(qkv)
+
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        num_tokens, heads, dim = qkv.shape[0], self.num_heads, self.head_dim
+        qk_heads = heads + self.num_kv_heads
         qk = qkv[:, : qk_heads * dim].view(num_tokens, qk_heads, dim)
         v = qkv[:, qk_heads * dim:].view(num_tokens, self.num_kv_heads, dim)
-        if norm_heads:
-            qk = torch.cat([rms_norm(qk[:, :heads], layer.q_norm, self.eps),
-                            rms_norm(qk[:, heads:], layer.k_norm, self.eps)], dim=1)
-            qk = rotate(qk, cos, sin)
         return qk[:, :heads], qk[:, heads:], v
 
     def mlp(self, attention_out: torch.Tensor, residual: torch.Tensor, layer: LeanLayer, ops: LayerOps

@@ -1,38 +1,31 @@
 """The avx512_bf16 matmul of kernels/cpu_gemm_bf16.c, on weights packed for it, built and loaded by
 `pagedchat.kernels.native`."""
 
-import ctypes
 import functools
 
 import torch
 import torch.nn.functional as F
 
-from pagedchat.kernels import native
+from . import native
 
 PANEL = 32  # the columns of a packed panel, as cpu_gemm_bf16.c reads them
 
 
 @functools.cache
-def kernel() -> ctypes._CFuncPtr | None:
+def kernel() -> native.Kernel | None:
     """`pagedchat_linear_bf16` from the built library; None where the CPU lacks avx512_bf16 or it cannot be
     built. Where it is built, so are `pre_op` and `rotate_`."""
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    return native.function("cpu_gemm_bf16.c", "pagedchat_linear_bf16", [p, i64, i64, p, i64, p, p, i32],
-                           isa="avx512_bf16")
+    return native.function("cpu_gemm_bf16.c", "pagedchat_linear_bf16", isa="avx512_bf16")
 
 
 @functools.cache
-def _pre_op_kernel() -> ctypes._CFuncPtr:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    return native.function("cpu_gemm_bf16.c", "pagedchat_pre_op_bf16", [p, i64, i64, i32, p, ctypes.c_float, p, i32],
-                           isa="avx512_bf16")
+def _pre_op_kernel() -> native.Kernel:
+    return native.function("cpu_gemm_bf16.c", "pagedchat_pre_op_bf16", isa="avx512_bf16")
 
 
 @functools.cache
-def _rotate_kernel() -> ctypes._CFuncPtr:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    return native.function("cpu_gemm_bf16.c", "pagedchat_rotate_bf16", [p, i64, i64, p, p, i64, i64, i32],
-                           isa="avx512_bf16")
+def _rotate_kernel() -> native.Kernel:
+    return native.function("cpu_gemm_bf16.c", "pagedchat_rotate_bf16", isa="avx512_bf16")
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -2,12 +2,12 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from pagedchat.engine.compiled_decode import CompiledDecode
-from pagedchat.engine.lean_model import LeanModel
-from pagedchat.engine.scheduler import ScheduledSeq
+from pagedchat.engine.worker.compiled_decode import CompiledDecode
+from pagedchat.engine import models
+from pagedchat.engine.layers.plan import plan_for
+from pagedchat.engine.core.scheduler import ScheduledSeq
 from pagedchat.kernels import AttentionMetadata, torch_ops
 
 
@@ -26,22 +26,15 @@ class KVLayout:
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
-def one_row_is_torch_product(lean: LeanModel) -> bool:
-    """Whether the eager forward multiplies one row as the compiled step does (torch's own product), so that
-    compiling gains; where cpu_gemm or oneDNN takes one row the eager step is the faster (one bf16 chat on the
-    AVX2 machines: 29-33 ms a step against 31-38 compiled; fp32 on oneDNN: 27 against 36 ms of matmuls; on
-    an avx512_bf16 machine, 101-105 tokens/s on cpu_gemm against 57-58 compiled on torch's product)."""
-    linear = lean.ops.linear
-    return linear is F.linear or getattr(linear, "half_rows", 0) >= 1
-
-
 class ModelRunner:
     """Runs one packed step of all scheduled tokens through the lean forward, with paged KV."""
 
     def __init__(self, model: PreTrainedModel, num_blocks: int, block_size: int, attention_ops: ModuleType,
                  max_model_len: int, compile: bool = False):
         self.model = model
-        self.lean = LeanModel(model, max_model_len)
+        backend = attention_ops.__name__.rpartition(".")[2].removesuffix("_ops")
+        self.plan = plan_for(model.dtype, model.device, backend)
+        self.lean = models.forward_for(model.config.model_type)(model, max_model_len, self.plan)
         self.block_size = block_size
         self.attention_ops = attention_ops
         self.device = model.device
@@ -53,7 +46,9 @@ class ModelRunner:
             for _ in range(layout.num_layers)
         ]
         self.compiled: CompiledDecode | None = None
-        if compile and self.device.type == "cpu" and attention_ops is torch_ops and one_row_is_torch_product(self.lean):
+        # compiling gains only where the eager step multiplies one row as the compiled one does, by torch's own
+        # product; where cpu_gemm or oneDNN takes one row the eager step is the faster (bench/RESULTS.md)
+        if compile and self.device.type == "cpu" and attention_ops is torch_ops and self.plan.one_row_is_torch_product:
             self.compiled = CompiledDecode(self.lean, self.kv_caches, scratch_block=num_blocks)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

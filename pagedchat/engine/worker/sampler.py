@@ -1,6 +1,6 @@
 import torch
 
-from pagedchat.engine.sequence import Sequence
+from pagedchat.engine.core.sequence import Sequence
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int]) -> list[int]:

@@ -3,7 +3,7 @@ from enum import Enum
 
 import torch
 
-from pagedchat.engine.params import SamplingParams
+from pagedchat.engine.api.params import SamplingParams
 
 
 class Status(Enum):

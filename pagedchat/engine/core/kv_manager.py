@@ -1,5 +1,5 @@
-from pagedchat.engine.block_pool import BlockPool, chain_hash
-from pagedchat.engine.sequence import Sequence
+from pagedchat.engine.core.block_pool import BlockPool, chain_hash
+from pagedchat.engine.core.sequence import Sequence
 
 
 def cdiv(a: int, b: int) -> int:

@@ -1,7 +1,7 @@
 """One chat's decode step compiled by inductor in the background, while the eager forward serves.
 
 A chat decoding alone is what a person does most, and where its matmuls are torch's own (fp16 on a CPU
-with bf16 instructions, or bf16 where cpu_gemm cannot be built: model_runner.one_row_is_torch_product)
+with bf16 instructions, or bf16 where cpu_gemm cannot be built: KernelPlan.one_row_is_torch_product)
 much of its eager step is per-op cost. Compiled, the ops between the matmuls (norms, rotary, the attention over the
 gathered blocks, SiLU) become a few C++ loops: the default model's bf16 step on torch's product went from
 ~28 to ~21-23 ms on the 2-core AVX2 machines. Compiling takes 1.5-2 minutes there, so it never happens
@@ -27,7 +27,7 @@ from pathlib import Path
 import platformdirs
 import torch
 
-from pagedchat.engine.lean_model import LeanModel
+from pagedchat.engine.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class CompiledDecode:
     step is compiled for each count the engine runs at, in the background, when the engine first runs at
     it, and used at the counts it is ready for."""
 
-    def __init__(self, lean: LeanModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scratch_block: int):
+    def __init__(self, lean: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scratch_block: int):
         self.lean = lean
         self.kv_caches = kv_caches
         self.scratch_block = scratch_block

@@ -1,12 +1,11 @@
 """The AVX2 matmul of kernels/cpu_gemm.c, built and loaded by `pagedchat.kernels.native`."""
 
-import ctypes
 import functools
 
 import torch
 
-from pagedchat.engine import cpu_gemm_bf16
-from pagedchat.kernels import native
+from . import cpu_gemm_bf16
+from . import native
 
 KINDS = native.KINDS
 PRE_NONE, PRE_RMS_NORM, PRE_SILU_MUL = 0, 1, 2
@@ -15,24 +14,20 @@ cpu_flags = native.cpu_flags
 
 
 @functools.cache
-def kernel() -> ctypes._CFuncPtr | None:
+def kernel() -> native.Kernel | None:
     """`pagedchat_linear` from the built library; None where the CPU lacks AVX2/FMA/F16C or it cannot be built.
     Where it is built, so are `pre_op` and `rotate_`."""
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    return native.function("cpu_gemm.c", "pagedchat_linear",
-                                [p, i32, i64, i64, i32, p, ctypes.c_float, p, i32, i64, p, p, p, p, p, i64, i64, i32])
+    return native.function("cpu_gemm.c", "pagedchat_linear")
 
 
 @functools.cache
-def _pre_op_kernel() -> ctypes._CFuncPtr:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    return native.function("cpu_gemm.c", "pagedchat_pre_op", [p, i32, i64, i64, i32, p, ctypes.c_float, p, i32])
+def _pre_op_kernel() -> native.Kernel:
+    return native.function("cpu_gemm.c", "pagedchat_pre_op")
 
 
 @functools.cache
-def _rotate_kernel() -> ctypes._CFuncPtr:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    return native.function("cpu_gemm.c", "pagedchat_rotate", [p, i32, i64, i64, p, p, i64, i64, i32])
+def _rotate_kernel() -> native.Kernel:
+    return native.function("cpu_gemm.c", "pagedchat_rotate")
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:

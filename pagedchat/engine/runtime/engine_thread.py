@@ -21,10 +21,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from pagedchat.engine.errors import one_line
-from pagedchat.engine.outputs import RequestOutput
-from pagedchat.engine.params import SamplingParams
-from pagedchat.engine.snapshot import KVSnapshot
+from pagedchat.engine.api.errors import one_line
+from pagedchat.engine.api.outputs import RequestOutput
+from pagedchat.engine.api.params import SamplingParams
+from pagedchat.engine.api.snapshot import KVSnapshot
 
 log = logging.getLogger(__name__)
 
