@@ -14,12 +14,10 @@ from pathlib import Path
 import platformdirs
 
 from pagedchat import __version__
+from pagedchat.engine.config import DEFAULT_NUM_KV_BLOCKS, EngineArgs
 from pagedchat.tui.demo import SCENES
 from pagedchat.tui.themes import DEFAULT_THEME, load_themes
 
-# The engine's pool when neither --num-blocks nor --kv-memory is given (pagedchat.engine.llm's
-# DEFAULT_NUM_KV_BLOCKS; a test keeps them equal). Written out so `--help` need not import torch.
-DEFAULT_POOL_BLOCKS = 512
 
 
 class UsageError(Exception):
@@ -33,7 +31,7 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"pagedchat: error: {message} (see pagedchat --help)\n")
 
 
-POOL_EPILOG = (f"The KV pool defaults to {DEFAULT_POOL_BLOCKS} blocks (of --block-size tokens) when neither "
+POOL_EPILOG = (f"The KV pool defaults to {DEFAULT_NUM_KV_BLOCKS} blocks (of --block-size tokens) when neither "
                "--num-blocks nor --kv-memory is given: for the default model (SmolLM2-135M-Instruct) "
                "that is 8,192 tokens, about 190 MB in bfloat16.")
 
@@ -94,7 +92,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (16)")
     pool = parser.add_mutually_exclusive_group()
     pool.add_argument("--num-blocks", type=int, metavar="N",
-                      help=f"KV blocks in the pool (default {DEFAULT_POOL_BLOCKS})")
+                      help=f"KV blocks in the pool (default {DEFAULT_NUM_KV_BLOCKS})")
     pool.add_argument("--kv-memory", metavar="SIZE", help="size the pool by memory instead, like 256MiB or 2GB")
     parser.add_argument("--max-model-len", type=int, metavar="N",
                         help="the longest conversation in tokens (default: the model's context, "
@@ -159,104 +157,12 @@ def attach_target(args: argparse.Namespace, argv: list[str]):
     return AttachTarget(args.attach, args.api_key, kv_events, args.dp_size)
 
 
-def check_model(args: argparse.Namespace) -> dict:
-    """Path, config, architecture, tokenizer, device, dtype, backend and pool size: the LLM's keyword
-    arguments once all of them are known to work. May install or convert the model (with progress)."""
-    from pagedchat.engine.loading import loader
-    from pagedchat.engine.llm import kv_pool_blocks
-    from pagedchat.engine.worker.model_runner import KVLayout
-    from pagedchat.kernels import select_backend
-
-    device = loader.resolve_device(args.device)
-    dtype = loader.resolve_dtype(args.dtype, device)
-    select_backend(args.backend, device.type)
-    path = loader.resolve_model(args.model)
-    config = loader.check_model(path, args.max_model_len)
-    num_blocks = kv_pool_blocks(config, args.block_size, args.num_blocks, args.kv_memory, dtype)
-    pool_bytes = num_blocks * KVLayout.of(config).bytes_per_block(args.block_size, dtype)
-    check_pool_memory(args, num_blocks, pool_bytes, _weights_bytes(path, dtype), _available_memory(device),
-                      device.type)
-    if args.max_model_len is not None and args.max_model_len > num_blocks * args.block_size:
-        raise UsageError(f"--max-model-len {args.max_model_len} does not fit the pool of {num_blocks} blocks "
-                         f"x {args.block_size} = {num_blocks * args.block_size} tokens")
-    return dict(model=path, block_size=args.block_size, num_kv_blocks=num_blocks,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_batched_tokens,
-                enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.backend,
-                dtype=args.dtype, device=args.device, compile=False if args.no_compile else None)
-
-
-# Memory left over for everything else once the pool and the weights are in: activations, the
-# tokenizer, the app, torch's own allocations and the rest of the machine.
-MEMORY_HEADROOM = 2 * 2**30
-
-
-def check_pool_memory(args: argparse.Namespace, num_blocks: int, pool_bytes: int, weights_bytes: int,
-                      available: int | None, where: str) -> None:
-    """Refuse a pool the device cannot hold, naming the flag that sized it. A pool the user sized
-    (--num-blocks or --kv-memory) must fit beside the weights with MEMORY_HEADROOM to spare, since a
-    pool that only just fits makes the machine swap; the small default pool need only fit itself."""
-    if available is None:  # not known here: let the engine find out
-        return
-    if args.kv_memory is not None:
-        flag, fix = f"--kv-memory {args.kv_memory}", "use a smaller --kv-memory"
-    elif args.num_blocks is not None:
-        flag, fix = f"--num-blocks {args.num_blocks}", "use fewer --num-blocks"
-    elif pool_bytes > available:
-        raise UsageError(f"the default pool of {num_blocks} blocks needs {_mib(pool_bytes)} MiB but only "
-                         f"{_mib(available)} MiB are free on {where}: use fewer --num-blocks")
-    else:
-        return
-    needed = pool_bytes + weights_bytes + MEMORY_HEADROOM
-    if needed > available:
-        raise UsageError(f"{flag} is too large: a pool of {num_blocks} blocks ({_mib(pool_bytes)} MiB) + the "
-                         f"model's weights ({_mib(weights_bytes)} MiB) + {_mib(MEMORY_HEADROOM)} MiB to spare "
-                         f"need {_mib(needed)} MiB, but only {_mib(available)} MiB are free on {where}: {fix}")
-
-
-def _mib(size: int) -> str:
-    return f"{size / 2**20:,.0f}"
-
-
-# Bytes per element of the floating dtypes a safetensors header names; the loader casts these to the
-# dtype the model is loaded in, and leaves any other tensor (integers, bools) as stored.
-_STORED_FLOAT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-
-
-def _weights_bytes(path: Path, dtype) -> int:
-    """The model's weights in memory once loaded in `dtype`: each tensor's stored bytes (from the
-    safetensors headers, which loader.check_model has validated) scaled by dtype's element size over
-    the stored one, so that bf16 weights loaded as float32 count double."""
-    import json
-    import struct
-
-    total = 0
-    for file in sorted(Path(path).glob("*.safetensors")):
-        with file.open("rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        for name, tensor in header.items():
-            if name == "__metadata__":
-                continue
-            start, end = tensor["data_offsets"]
-            stored = _STORED_FLOAT_BYTES.get(tensor["dtype"])
-            total += (end - start) * dtype.itemsize // stored if stored else end - start
-    return total
-
-
-def _available_memory(device) -> int | None:
-    if device.type == "cuda":
-        import torch
-
-        return torch.cuda.mem_get_info(device)[0]
-    try:  # MemAvailable counts reclaimable page cache too, unlike the free pages sysconf gives
-        meminfo = Path("/proc/meminfo").read_text()
-    except OSError:  # not Linux: let the engine find out
-        return None
-    for line in meminfo.splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return None
+def engine_args(args: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(model=args.model, block_size=args.block_size, num_kv_blocks=args.num_blocks,
+                      kv_cache_memory=args.kv_memory, max_model_len=args.max_model_len,
+                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+                      enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.backend,
+                      dtype=args.dtype, device=args.device, compile=False if args.no_compile else None)
 
 
 def open_history():
@@ -286,13 +192,15 @@ def log_to_file() -> Path:
     return path
 
 
-def checked_llm_kwargs(args: argparse.Namespace) -> dict:
+def checked_config(args: argparse.Namespace):
+    """The engine's config resolved from the flags, every check done (it may install the default model, with
+    progress); a problem is a UsageError of one line."""
     check_flags(args)
     from pagedchat.engine.api.errors import one_line
     from pagedchat.engine.loading.loader import ModelError
 
     try:
-        return check_model(args)
+        return engine_args(args).resolve()
     except (ModelError, ValueError) as exc:
         raise UsageError(one_line(exc)) from exc
 
@@ -311,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         scene = SCENES[args.demo] if args.demo else None
         if scene and scene.num_blocks and args.num_blocks is None and args.kv_memory is None:
             args.num_blocks = scene.num_blocks  # the scene's pool, unless the user sized one
-        llm_kwargs = checked_llm_kwargs(args)
+        config = checked_config(args)
         history = None if args.no_history else open_history()
     except UsageError as exc:
         print(f"pagedchat: error: {exc}", file=sys.stderr)
@@ -319,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pagedchat.engine.llm import LLM
 
-    code = run_app(lambda: LLM(**llm_kwargs), Path(llm_kwargs["model"]).name, log_path,
+    code = run_app(lambda: LLM.from_config(config), config.model_path.name, log_path,
                    theme=args.theme, demo=args.demo, history=history)
     leave_any_compile_behind(code)
     return code
@@ -356,7 +264,7 @@ def serve_main(argv: list[str]) -> int:
     try:
         if not 0 < args.port < 65536:
             raise UsageError(f"--port must be in 1..65535, got {args.port}")
-        llm_kwargs = checked_llm_kwargs(args)
+        engine_config = checked_config(args)
         from pagedchat.serve.run import ServeConfig, serve
     except ImportError as exc:
         print(f"pagedchat: error: the server needs its extra: pip install 'pagedchat[serve]' ({exc.name} is missing)",
@@ -372,10 +280,10 @@ def serve_main(argv: list[str]) -> int:
     config = ServeConfig(args.host, args.port, args.api_key, args.served_model_name or model_id(args.model),
                          args.session_idle, args.max_sessions)
     if args.tui:
-        return serve_with_app(llm_kwargs, config, log_path)
-    print(f"pagedchat: loading {Path(llm_kwargs['model']).name}; /health answers 503 until it is ready", file=sys.stderr)
+        return serve_with_app(engine_config, config, log_path)
+    print(f"pagedchat: loading {engine_config.model_path.name}; /health answers 503 until it is ready", file=sys.stderr)
     try:
-        serve(lambda: LLM(**llm_kwargs), config,
+        serve(lambda: LLM.from_config(engine_config), config,
               on_ready=lambda url: print(f"pagedchat: serving {config.model_name} on {url}/v1", file=sys.stderr))
     except Exception as exc:
         logging.getLogger(__name__).exception("the server failed")
@@ -392,14 +300,14 @@ def model_id(model: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def serve_with_app(llm_kwargs: dict, config, log_path: Path) -> int:
+def serve_with_app(engine_config, config, log_path: Path) -> int:
     from pagedchat.engine.llm import LLM
     from pagedchat.serve.run import BackgroundServer
     from pagedchat.tui.app import PagedChatApp
 
     server = BackgroundServer(config)
     server.start()
-    app = PagedChatApp(lambda: LLM(**llm_kwargs), model_name=config.model_name, on_engine=server.attach)
+    app = PagedChatApp(lambda: LLM.from_config(engine_config), model_name=config.model_name, on_engine=server.attach)
     try:
         app.run()
     finally:

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from pagedchat import cli
-from pagedchat.engine.llm import DEFAULT_NUM_KV_BLOCKS
+from pagedchat.engine import config as engine_config
+from pagedchat.engine.config import DEFAULT_NUM_KV_BLOCKS
 
 
 def run(*args: str, tmp_path) -> subprocess.CompletedProcess:
@@ -53,10 +54,6 @@ def test_help_and_version(tmp_path):
     assert run("--version", tmp_path=tmp_path).stdout.startswith("pagedchat 0.")
 
 
-def test_help_names_the_engines_default_pool():
-    assert cli.DEFAULT_POOL_BLOCKS == DEFAULT_NUM_KV_BLOCKS
-
-
 def broken_copy(tiny_model, tmp_path, breaks: str):
     """A copy of the tiny model with one thing wrong."""
     import shutil
@@ -96,7 +93,7 @@ def test_bad_models_exit_2_with_one_line(breaks, says, tiny_model, tmp_path, cap
     (["--kv-memory", "lots"], "not a size"),
     (["--max-model-len", "5000"], "exceeds the model's context of 1024"),
     (["--num-blocks", "8", "--max-model-len", "512"], "does not fit the pool of 8 blocks"),
-    (["--num-blocks", "100000000000"], "use fewer --num-blocks"),
+    (["--num-blocks", "100000000000"], "ask for fewer num_kv_blocks"),
     (["--device", "tpu"], "unknown device 'tpu'"),
 ])
 def test_pool_and_device_flags_are_checked_against_the_model(args, says, tiny_model, tmp_path, capsys, monkeypatch):
@@ -127,7 +124,7 @@ def test_the_log_goes_to_the_xdg_state_folder(tmp_path, monkeypatch):
 
 
 def test_parse_size_takes_terabytes():
-    from pagedchat.engine.llm import parse_size
+    from pagedchat.engine.config import parse_size
 
     assert parse_size("1TB") == 10**12
     assert parse_size("2 TiB") == 2 * 2**40
@@ -145,10 +142,10 @@ def test_a_pool_too_large_for_the_machine_names_the_flag_given(flag, value, tiny
                                                                 monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
-    monkeypatch.setattr(cli, "_available_memory", lambda device: 24 * 10**9)
+    monkeypatch.setattr(engine_config, "_available_memory", lambda device: 24 * 10**9)
     assert cli.main(["--model", str(tiny_model), "--device", "cpu", flag, value]) == 2
     line = one_error_line(capsys)
-    assert f"{flag} {value} is too large" in line and "not a size" not in line, line
+    assert f"({flag}) is too large" in line and "not a size" not in line, line
     other = {"--kv-memory": "--num-blocks", "--num-blocks": "--kv-memory"}[flag]
     assert other not in line and "22,888 MiB are free on cpu" in line, line
 
@@ -160,15 +157,14 @@ def needed_for(tiny_model, kv_memory: str) -> tuple[int, int]:
     from safetensors import safe_open
 
     from pagedchat.engine.loading.loader import check_model
-    from pagedchat.engine.llm import kv_pool_blocks, parse_size
+    from pagedchat.engine.config import parse_size
     from pagedchat.engine.worker.model_runner import KVLayout
 
     config = check_model(tiny_model)
     per_block = KVLayout.of(config).bytes_per_block(16, torch.float32)
-    num_blocks = kv_pool_blocks(config, 16, None, kv_memory, torch.float32)
+    num_blocks = parse_size(kv_memory) // per_block
     with safe_open(tiny_model / "model.safetensors", framework="pt") as weights:
         weight_bytes = sum(weights.get_tensor(k).nbytes for k in weights.keys())
-    assert num_blocks == parse_size(kv_memory) // per_block
     return num_blocks, num_blocks * per_block + weight_bytes + 2 * 2**30
 
 
@@ -179,30 +175,37 @@ def pool_args(tiny_model, kv_memory: str, dtype: str = "float32"):
 
 def test_a_pool_that_fits_only_without_the_weights_and_headroom_is_refused(tiny_model, monkeypatch):
     num_blocks, needed = needed_for(tiny_model, "20GB")
-    monkeypatch.setattr(cli, "_available_memory", lambda device: needed - 1)
+    monkeypatch.setattr(engine_config, "_available_memory", lambda device: needed - 1)
     with pytest.raises(cli.UsageError) as refused:
-        cli.checked_llm_kwargs(pool_args(tiny_model, "20GB"))
+        cli.checked_config(pool_args(tiny_model, "20GB"))
     message = str(refused.value)
-    assert "\n" not in message and message.startswith("--kv-memory 20GB is too large"), message
+    assert "\n" not in message and message.startswith("kv_cache_memory 20GB (--kv-memory) is too large"), message
     assert f"a pool of {num_blocks} blocks (19,073 MiB)" in message and "+ 2,048 MiB to spare" in message
-    assert f"only {(needed - 1) / 2**20:,.0f} MiB are free on cpu: use a smaller --kv-memory" in message
+    assert f"only {(needed - 1) / 2**20:,.0f} MiB are free on cpu: ask for a smaller kv_cache_memory" in message
+    from pagedchat.engine.llm import LLM
+
+    with pytest.raises(ValueError) as from_python:  # LLM(...) from Python refuses it with the same line
+        LLM(model=str(tiny_model), device="cpu", dtype="float32", kv_cache_memory="20GB")
+    assert str(from_python.value) == message
 
 
 def test_a_pool_that_fits_beside_the_weights_and_headroom_is_taken(tiny_model, monkeypatch):
     num_blocks, needed = needed_for(tiny_model, "1TB")
-    monkeypatch.setattr(cli, "_available_memory", lambda device: needed)
-    assert cli.checked_llm_kwargs(pool_args(tiny_model, "1TB"))["num_kv_blocks"] == num_blocks
+    monkeypatch.setattr(engine_config, "_available_memory", lambda device: needed)
+    assert cli.checked_config(pool_args(tiny_model, "1TB")).engine.num_kv_blocks == num_blocks
 
 
 def test_the_weights_are_counted_in_the_dtype_they_are_loaded_in(tiny_model, tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
 
+    from pagedchat.engine.loading.loader import weights_bytes
+
     stored = (tiny_model / "model.safetensors").stat().st_size  # float32, plus a small header
-    as_float32 = cli._weights_bytes(tiny_model, torch.float32)
+    as_float32 = weights_bytes(tiny_model, torch.float32)
     assert 0.95 * stored < as_float32 < stored
-    assert cli._weights_bytes(tiny_model, torch.bfloat16) == as_float32 // 2
+    assert weights_bytes(tiny_model, torch.bfloat16) == as_float32 // 2
     tensors = load_file(tiny_model / "model.safetensors")
     save_file({k: t.to(torch.bfloat16) for k, t in tensors.items()}, tmp_path / "model.safetensors")
-    assert cli._weights_bytes(tmp_path, torch.float32) == as_float32  # bf16 weights loaded as float32 double
-    assert cli._weights_bytes(tmp_path, torch.bfloat16) == as_float32 // 2
+    assert weights_bytes(tmp_path, torch.float32) == as_float32  # bf16 weights loaded as float32 double
+    assert weights_bytes(tmp_path, torch.bfloat16) == as_float32 // 2

@@ -1,29 +1,12 @@
 import itertools
 import os
-import re
 from collections.abc import Sequence as SequenceABC
 
+from pagedchat.engine.config import EngineArgs, ResolvedConfig
+from pagedchat.engine.llm_engine import LLMEngine
 from pagedchat.engine.loading import loader
-from pagedchat.engine.worker.compiled_decode import compiling_by_default
-from pagedchat.engine.llm_engine import EngineConfig, LLMEngine
-from pagedchat.engine.worker.model_runner import KVLayout
 from pagedchat.engine.api.outputs import RequestOutput
 from pagedchat.engine.api.params import SamplingParams
-from pagedchat.kernels import select_backend
-
-DEFAULT_NUM_KV_BLOCKS = 512
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes from an int or a string like '256MiB', '2GB' or '1TiB' (KB, MB, GB, TB are powers of 10)."""
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*", size.lower())
-    if not match:
-        raise ValueError(f"not a size: {size!r} (use e.g. 256MiB or 2GB)")
-    return int(float(match[1]) * _UNITS[match[2] or ""])
 
 
 class LLM:
@@ -45,22 +28,22 @@ class LLM:
         num_threads: int | None = None,
         compile: bool | None = None,
     ):
-        torch_device = loader.resolve_device(device)
-        torch_dtype = loader.resolve_dtype(dtype, torch_device)
-        attention_ops = select_backend(attention_backend, torch_device.type)
-        self.model_path = loader.resolve_model(model)
-        config = loader.check_model(self.model_path, max_model_len)
-        num_blocks = kv_pool_blocks(config, block_size, num_kv_blocks, kv_cache_memory, torch_dtype)
-        context = loader.model_context_len(config, max_model_len)
-        if max_model_len is None:
-            context = min(context, num_blocks * block_size)
-        model_obj, self.tokenizer = loader.load_model(self.model_path, torch_dtype, torch_device)
-        engine_config = EngineConfig(
-            num_kv_blocks=num_blocks, max_model_len=context, block_size=block_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            num_threads=num_threads, compile=compiling_by_default() if compile is None else compile,
-        )
-        self.engine = LLMEngine(model_obj, self.tokenizer, engine_config, attention_ops)
+        self._start(EngineArgs(model, block_size, num_kv_blocks, kv_cache_memory, max_model_len, max_num_seqs,
+                               max_num_batched_tokens, enable_prefix_caching, attention_backend, dtype, device,
+                               num_threads, compile).resolve())
+
+    @classmethod
+    def from_config(cls, config: ResolvedConfig) -> "LLM":
+        """The LLM of a config already resolved (and so checked), as the CLI hands it over."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: ResolvedConfig) -> None:
+        self.config = config
+        self.model_path = config.model_path
+        model, self.tokenizer = loader.load_model(config.model_path, config.dtype, config.device)
+        self.engine = LLMEngine(model, self.tokenizer, config.engine, config.attention_ops)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -102,16 +85,3 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params)
 
-
-def kv_pool_blocks(config, block_size, num_kv_blocks, kv_cache_memory, dtype) -> int:
-    if num_kv_blocks is not None and kv_cache_memory is not None:
-        raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
-    if block_size < 1:
-        raise ValueError(f"block_size must be at least 1, got {block_size}")
-    if kv_cache_memory is None:
-        return DEFAULT_NUM_KV_BLOCKS if num_kv_blocks is None else num_kv_blocks
-    per_block = KVLayout.of(config).bytes_per_block(block_size, dtype)
-    num_blocks = parse_size(kv_cache_memory) // per_block
-    if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory {kv_cache_memory} is less than one KV block ({per_block} bytes)")
-    return num_blocks

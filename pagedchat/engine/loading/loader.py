@@ -267,17 +267,46 @@ def _check_safetensors(file: Path) -> None:
     whose size the header's largest end offset gives."""
     size = file.stat().st_size
     try:
-        with file.open("rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            if 8 + header_len > size:
-                raise ValueError("header runs past the end of the file")
-            header = json.loads(f.read(header_len))
+        header_len, header = _safetensors_header(file, size)
         data_len = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
     except (struct.error, ValueError, KeyError, TypeError, IndexError) as error:
         raise ModelError(f"{file} is not a valid safetensors file: {one_line(error)}") from error
     if 8 + header_len + data_len > size:
         raise ModelError(f"{file} is truncated: {size} bytes, its header says "
                          f"{8 + header_len + data_len} (an interrupted download?)")
+
+
+@functools.cache
+def _safetensors_header(file: Path, size: int) -> tuple[int, dict]:
+    """(length, parsed JSON) of a safetensors file's header, read once per file and size."""
+    with file.open("rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if 8 + header_len > size:
+            raise ValueError("header runs past the end of the file")
+        return header_len, json.loads(f.read(header_len))
+
+
+# Bytes per element of the floating dtypes a safetensors header names; the loader casts these to the
+# dtype the model is loaded in, and leaves any other tensor (integers, bools) as stored.
+_STORED_FLOAT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+def weights_bytes(path: Path, dtype: torch.dtype) -> int:
+    """The model's weights in memory once loaded in `dtype`: for a folder, each tensor's stored bytes (from the
+    safetensors headers `check_model` validated) scaled by dtype's element size over the stored one, so that
+    bf16 weights loaded as float32 count double; for a .gguf, the file."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        for name, tensor in _safetensors_header(file, file.stat().st_size)[1].items():
+            if name == "__metadata__":
+                continue
+            start, end = tensor["data_offsets"]
+            stored = _STORED_FLOAT_BYTES.get(tensor["dtype"])
+            total += (end - start) * dtype.itemsize // stored if stored else end - start
+    return total
 
 
 def model_context_len(config: PretrainedConfig, max_model_len: int | None) -> int:
