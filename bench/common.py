@@ -274,7 +274,9 @@ def load_llm(model: str | None, dtype: str, **engine_args):
 
     # the suite's --threads holds: the engine's own policy (threads = free cores) is measured in bench.peer_bench
     engine_args.setdefault("num_threads", torch.get_num_threads())
-    return LLM(model=model, dtype=dtype, device="cpu", **engine_args)
+    llm = LLM(model=model, dtype=dtype, device="cpu", **engine_args)
+    print(f"kernel plan: {llm.engine.runner.plan.describe()}")
+    return llm
 
 
 def load_hf(model_path, dtype: str, attn_implementation: str = "sdpa"):

@@ -82,7 +82,8 @@ def pagedchat_worker() -> None:
     compile_s = time.perf_counter() - compile_s
 
     results = peer_timing.run_job(job, generate)
-    results.update(peak_rss_mb=peer_timing.peak_rss_mb(), compiled=ready, compile_wait_s=compile_s)
+    results.update(peak_rss_mb=peer_timing.peak_rss_mb(), compiled=ready, compile_wait_s=compile_s,
+                   kernel_plan=llm.engine.runner.plan.describe())
     peer_timing.write_result(results)
 
 
