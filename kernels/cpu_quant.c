@@ -31,7 +31,7 @@ enum { KIND_BF16 = 0, KIND_FP16 = 1, KIND_FP32 = 2 };  /* avx2.h's kinds, which 
 #endif
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* ggml_type */
-#define MR 4              /* rows of x multiplied against each weight row in one pass */
+#define MR 8              /* rows of x multiplied against each weight row in one pass */
 #define TILE_BYTES 65536  /* the weight bytes of a tile (L2-resident while all of x passes over it) */
 #define ALWAYS static inline __attribute__((always_inline))
 
@@ -444,8 +444,8 @@ ALWAYS void small_block_step(int type, const uint8_t *w, const acts *a, int64_t 
     for (int r = 0; r < mr; r++) offset[r] += per_sum * a->ds[(m0 + r) * nb + b];
 }
 
-/* Q8_0, Q4_0 and Q4_1: one fp32 product a block, even and odd blocks in two chains (one alone would wait on
- * each fma) */
+/* Q8_0, Q4_0 and Q4_1: one fp32 product a block; for one row of x, even and odd blocks in two chains (one
+ * alone would wait on each fma), for more the rows' chains are enough */
 ALWAYS void rows_small(int type, const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y,
                        int64_t ldy) {
     const int64_t nb = a->K / 32;
@@ -458,10 +458,10 @@ ALWAYS void rows_small(int type, const uint8_t *w, const acts *a, int64_t m0, co
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) {
         small_block_step(type, w, a, m0, mr, b, even, offset);
-        small_block_step(type, w, a, m0, mr, b + 1, odd, offset);
+        small_block_step(type, w, a, m0, mr, b + 1, mr == 1 ? odd : even, offset);
     }
     if (b < nb) small_block_step(type, w, a, m0, mr, b, even, offset);
-    for (int r = 0; r < mr; r++) y[r * ldy] = sum8(_mm256_add_ps(even[r], odd[r])) + offset[r];
+    for (int r = 0; r < mr; r++) y[r * ldy] = sum8(mr == 1 ? _mm256_add_ps(even[r], odd[r]) : even[r]) + offset[r];
 }
 
 ALWAYS void rows_q8_0(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
@@ -556,10 +556,14 @@ typedef void (*tile_fn)(const uint8_t *w, int64_t row_bytes, int64_t rows, const
         case 1: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, 1, y + n, ldy); break;   \
         case 2: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, 2, y + n, ldy); break;   \
         case 3: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, 3, y + n, ldy); break;   \
+        case 4: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, 4, y + n, ldy); break;   \
+        case 5: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, 5, y + n, ldy); break;   \
+        case 6: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, 6, y + n, ldy); break;   \
+        case 7: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, 7, y + n, ldy); break;   \
         default: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, MR, y + n, ldy);        \
         }                                                                                                    \
     }
-_Static_assert(MR == 4, "TILE instantiates mr = 1..MR");
+_Static_assert(MR == 8, "TILE instantiates mr = 1..MR");
 TILE(tile_q4_0, rows_q4_0)
 TILE(tile_q4_1, rows_q4_1)
 TILE(tile_q8_0, rows_q8_0)
