@@ -64,8 +64,10 @@ def pagedchat_worker() -> None:
     from pagedchat import LLM, SamplingParams
 
     job = peer_timing.read_job()
+    load_s = time.perf_counter()
     llm = LLM(model=job["model"], dtype=job["dtype"], device="cpu", num_threads=job["threads"],
               num_kv_blocks=job["kv_tokens"] // 16, max_model_len=job["max_model_len"])
+    load_s = time.perf_counter() - load_s
     compiled = llm.engine.runner.compiled
 
     def generate(prompts: list[list[int]], new_tokens: list[int]) -> list[int]:
@@ -83,7 +85,7 @@ def pagedchat_worker() -> None:
 
     results = peer_timing.run_job(job, generate)
     results.update(peak_rss_mb=peer_timing.peak_rss_mb(), compiled=ready, compile_wait_s=compile_s,
-                   kernel_plan=llm.engine.runner.plan.describe())
+                   kernel_plan=llm.engine.runner.plan.describe(), load_s=load_s)
     peer_timing.write_result(results)
 
 
@@ -117,13 +119,15 @@ def run_vllm(job: dict) -> dict:
     return run_worker([str(peers.vllm_python()), str(HERE / "peer_vllm.py")], job, env, cwd=tempfile.gettempdir())
 
 
-def run_llama(job: dict, port: int = 18391) -> dict:
-    """llama-server with one slot per chat of the biggest workload, driven over HTTP on 127.0.0.1."""
+def run_llama(job: dict, port: int = 18391, gguf: Path | None = None) -> dict:
+    """llama-server with one slot per chat of the biggest workload, driven over HTTP on 127.0.0.1, on `gguf`
+    (default: the default model's GGUF of the job's dtype)."""
     if not peers.llama_ready():
         return {"error": "not built (python -m bench.peers setup)"}
     slots = max(len(w["prompts"]) for w in job["workloads"].values())
+    load_s = time.perf_counter()
     server = subprocess.Popen(
-        [str(peers.llama_binary("llama-server")), "-m", str(peers.gguf_path(GGUF_TYPES[job["dtype"]])),
+        [str(peers.llama_binary("llama-server")), "-m", str(gguf or peers.gguf_path(GGUF_TYPES[job["dtype"]])),
          "-t", str(job["threads"] or os.cpu_count()), "-c", str(job["kv_tokens"]), "-np", str(slots),
          "--host", "127.0.0.1", "--port", str(port), "--no-webui"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -153,8 +157,10 @@ def run_llama(job: dict, port: int = 18391) -> dict:
                 w.join()
             return out
 
+        load_s = time.perf_counter() - load_s
         results = peer_timing.run_job(job, generate)
         results["peak_rss_mb"] = peer_timing.peak_rss_mb(str(server.pid))
+        results["load_s"] = load_s
         results["slots"] = slots
         return results
     except OSError as error:
@@ -273,13 +279,15 @@ def section(args, runs: dict, policy: list, seconds: float) -> Section:
     return sec
 
 
-def write_into_results(markdown: str, path: Path = HERE / "RESULTS.md") -> None:
+def write_into_results(markdown: str, path: Path = HERE / "RESULTS.md", marks: tuple[str, str] = (MARK_BEGIN, MARK_END)
+                       ) -> None:
     """Put the section between its markers in RESULTS.md (the other sections come from bench.run)."""
     text = path.read_text() if path.exists() else ""
-    block = f"{MARK_BEGIN}\n{markdown}\n{MARK_END}"
-    if MARK_BEGIN in text and MARK_END in text:
-        head, rest = text.split(MARK_BEGIN, 1)
-        text = head + block + rest.split(MARK_END, 1)[1]
+    begin, end = marks
+    block = f"{begin}\n{markdown}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
     else:
         text = block + "\n\n" + text
     path.write_text(text)
