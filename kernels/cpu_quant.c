@@ -258,6 +258,13 @@ static void quantize_acts(const void *x, int kind, int64_t m, const acts *a, int
             for (int l = 0; l < 16; l++) s += q[16 * g + l];
             a->sums16[m * (K / 16) + g] = (int16_t)s;
         }
+    if (type == Q4_0 || type == Q4_1)  /* each pair of blocks as rows_q4_pairs reads it */
+        for (int64_t b = 0; b + 1 < K / 32; b += 2) {
+            int8_t swap[16];
+            memcpy(swap, q + 32 * b + 16, 16);
+            memcpy(q + 32 * b + 16, q + 32 * b + 32, 16);
+            memcpy(q + 32 * b + 32, swap, 16);
+        }
 #endif
 }
 
@@ -468,12 +475,84 @@ ALWAYS void rows_q8_0(const uint8_t *w, const acts *a, int64_t m0, const int mr,
     rows_small(Q8_0, w, a, m0, mr, y, ldy);
 }
 
+/* In each int32 lane, the sum of 8 products: 4 of u1 by s1, 4 of u2 by s2 (as dot4), where the two s16 pair
+ * sums add without saturating (4-bit u) */
+ALWAYS __m256i dot8(__m256i u1, __m256i s1, __m256i u2, __m256i s2) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u1, s1), u2, s2);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u1, s1), u2, s2);
+#else
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u1, s1), _mm256_maddubs_epi16(u2, s2)),
+                             _mm256_set1_epi16(1));
+#endif
+}
+
+/* Blocks b and b + 1 of a Q4_0 or Q4_1 row against the mr rows of x, whose quantization put the pair's 64
+ * bytes in the order [low 16 of b, of b + 1, high 16 of b, of b + 1]: the nibbles of both blocks' 16 bytes
+ * side by side in one register then meet x in two products, block b in the low 4 lanes, b + 1 in the high.
+ * acc[r] gathers d * x's d; lanes 1 and 3 of offset[r] m (Q4_1) or d (Q4_0) times x's d * sum. */
+ALWAYS void q4_pair_step(int type, const uint8_t *w, const acts *a, int64_t m0, const int mr, int64_t b,
+                         __m256 *acc, __m128 *offset) {
+    const int64_t K = a->K, nb = K / 32, size = block_bytes(type), qs = type == Q4_1 ? 4 : 2;
+    const uint8_t *blk = w + b * size;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i packed = _mm256_loadu2_m128i((const __m128i *)(blk + size + qs), (const __m128i *)(blk + qs));
+    const __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+    /* the two blocks' first 4 bytes as fp16 pairs: d, m (Q4_1) or d and 2 bytes of qs (Q4_0, d kept) */
+    __m128 dm = _mm_cvtph_ps(_mm_unpacklo_epi32(_mm_cvtsi32_si128(load32(blk)), _mm_cvtsi32_si128(load32(blk + size))));
+    if (type == Q4_0) dm = _mm_moveldup_ps(dm);
+    const __m256i lanes = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
+    for (int r = 0; r < mr; r++) {
+        const int64_t i = (m0 + r) * nb + b;
+        const int8_t *xq = a->q + (m0 + r) * K + 32 * b;
+        const __m256i p = dot8(lo, _mm256_loadu_si256((const __m256i *)xq), hi,
+                               _mm256_loadu_si256((const __m256i *)(xq + 32)));
+        /* d, m (or d), times x's d and d * sum, of both blocks */
+        const __m128 f = _mm_mul_ps(dm, _mm_unpacklo_ps(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(a->d + i))),
+                                                        _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(a->ds + i)))));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f), lanes),
+                                 acc[r]);
+        offset[r] = _mm_add_ps(offset[r], f);
+    }
+}
+
+/* Q4_0 and Q4_1, a pair of blocks at a time; for one row of x, even and odd pairs in two chains */
+ALWAYS void rows_q4_pairs(int type, const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y,
+                          int64_t ldy) {
+    const int64_t nb = a->K / 32;
+    __m256 even[MR], odd[MR];
+    __m128 offset[MR];
+    float single[MR];  /* an odd last block, as rows_small multiplies it */
+    for (int r = 0; r < mr; r++) {
+        even[r] = odd[r] = _mm256_setzero_ps();
+        offset[r] = _mm_setzero_ps();
+        single[r] = 0.0f;
+    }
+    int64_t b = 0;
+    for (; b + 3 < nb; b += 4) {
+        q4_pair_step(type, w, a, m0, mr, b, even, offset);
+        q4_pair_step(type, w, a, m0, mr, b + 2, mr == 1 ? odd : even, offset);
+    }
+    if (b + 1 < nb) {
+        q4_pair_step(type, w, a, m0, mr, b, even, offset);
+        b += 2;
+    }
+    if (b < nb) small_block_step(type, w, a, m0, mr, b, odd, single);
+    const float per_offset = type == Q4_0 ? -8.0f : 1.0f;
+    for (int r = 0; r < mr; r++) {
+        const __m128 o = offset[r];
+        const float offsets = _mm_cvtss_f32(_mm_add_ss(_mm_movehdup_ps(o), _mm_movehl_ps(o, _mm_movehdup_ps(o))));
+        y[r * ldy] = sum8(_mm256_add_ps(even[r], odd[r])) + per_offset * offsets + single[r];
+    }
+}
+
 ALWAYS void rows_q4_0(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
-    rows_small(Q4_0, w, a, m0, mr, y, ldy);
+    rows_q4_pairs(Q4_0, w, a, m0, mr, y, ldy);
 }
 
 ALWAYS void rows_q4_1(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
-    rows_small(Q4_1, w, a, m0, mr, y, ldy);
+    rows_q4_pairs(Q4_1, w, a, m0, mr, y, ldy);
 }
 
 #else  /* portable */
