@@ -1,3 +1,52 @@
+"""A chat as the engine sees it: token ids, built message by message with the model's chat template.
+
+Both front ends build on this: the app's tabs (`pagedchat.tui.conversation`) and the server's sessions
+(`pagedchat.serve.sessions`). Torch-free: it needs only a tokenizer.
+"""
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class RequestKey:
+    """The engine request of a conversation's `run`-th sequence: `<conversation>.<run>` as a string.
+
+    A conversation starts a new sequence (a new run) whenever tokens already sent change: a
+    regenerated reply, a new system prompt, a failed turn. The samples of a reply with n > 1 run as
+    `<request>#<i>` beside the request itself (sample 0)."""
+
+    conversation: str
+    run: int = 1
+    sample: int = 0
+
+    def __str__(self) -> str:
+        request = f"{self.conversation}.{self.run}"
+        return sample_id(request, self.sample) if self.sample else request
+
+    @classmethod
+    def parse(cls, request_id: str) -> "RequestKey | None":
+        """The key a request id spells, or None for an id no conversation made (an API client's)."""
+        request, _, sample = request_id.partition("#")
+        conversation, dot, run = request.rpartition(".")
+        if not (dot and conversation and run.isdigit() and (sample.isdigit() or not sample)):
+            return None
+        return cls(conversation, int(run), int(sample or 0))
+
+
+def sample_id(request_id: str, index: int) -> str:
+    """The id of sample `index` (1, 2, ...) of a request with n > 1; sample 0 is the request itself."""
+    return f"{request_id}#{index}"
+
+
+def chat_prompt(tokenizer, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """One conversation's prompt in one go, for a request that keeps no session (`LLM.chat`, a server
+    request outside a session, `/tokenize`)."""
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 class ChatSession:
     """A conversation as token ids.
 
@@ -33,8 +82,12 @@ class ChatSession:
         self.token_ids += new_ids
         return new_ids
 
-    def add_reply(self, token_ids: list[int], text: str | None = None) -> None:
-        """Record the model's reply: its tokens as generated, its text for the template."""
+    def add_reply(self, token_ids: Sequence[int] | None, text: str | None = None) -> None:
+        """Record the model's reply: its tokens as generated, its text for the template. A reply known
+        only by its text (saved without its tokens, or sent back by an API client) is tokenized here,
+        the one place that does."""
+        if token_ids is None:
+            token_ids = self._encode(text or "")
         if text is None:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         self.token_ids += token_ids
@@ -55,3 +108,23 @@ class ChatSession:
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+class ChatSessionLike(Protocol):
+    """A `ChatSession`, or what stands in for one where a server keeps the tokens (the app attached)."""
+
+    token_ids: list[int]
+    messages: list[dict[str, str]]  # the conversation as chat messages, the system prompt first
+
+    def user_turn(self, text: str) -> list[int]: ...
+    def add_reply(self, token_ids: Sequence[int] | None, text: str | None = None) -> None: ...
+
+
+def replay(session: ChatSessionLike, turns: Iterable[tuple[str, str, Sequence[int] | None]]) -> ChatSessionLike:
+    """Feed a fresh session a conversation's (role, text, reply token ids or None) turns, in order."""
+    for role, text, token_ids in turns:
+        if role == "user":
+            session.user_turn(text)
+        else:
+            session.add_reply(token_ids, text)
+    return session

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from pagedchat.engine.api.outputs import RequestOutput
 from pagedchat.engine.api.snapshot import snapshot_to_json
+from pagedchat.engine.chat import chat_prompt
 from pagedchat.serve import metrics
 from pagedchat.serve.async_engine import AsyncEngine, EngineFailure
 from pagedchat.serve.protocol import ApiError, ChatCompletion, Detokenize, TextCompletion, Tokenize
@@ -162,8 +163,7 @@ def check_model(served: Served, model: str | None) -> None:
 
 def encode_chat(tokenizer, messages, add_generation_prompt: bool = True) -> list[int]:
     conversation = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in messages]
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return chat_prompt(tokenizer, conversation, add_generation_prompt)
 
 
 def room_after(served: Served, context: int) -> int:

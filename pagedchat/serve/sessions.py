@@ -14,8 +14,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedchat.engine.chat import ChatSession
 from pagedchat.engine.api.outputs import RequestOutput
+from pagedchat.engine.chat import ChatSession, replay
 
 
 @dataclass
@@ -98,13 +98,8 @@ class Sessions:
         turns = said[1:] if system is not None else said
         if not turns or turns[-1][0] != "user" or any(role not in ("user", "assistant") for role, _ in turns):
             return None
-        chat = ChatSession(self._tokenizer, system)
-        for role, text in turns:
-            if role == "user":
-                chat.user_turn(text)
-            else:
-                chat.add_reply(self._tokenizer.encode(text, add_special_tokens=False), text)
-        return chat
+        # The client sends replies back as text: their tokens were the session's, and it is gone.
+        return replay(ChatSession(self._tokenizer, system), ((role, text, None) for role, text in turns))
 
     def expire(self) -> None:
         """Close the sessions idle longer than the limit."""

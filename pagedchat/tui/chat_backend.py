@@ -7,11 +7,11 @@ errors come back through the tab's sink, on whichever thread the backend runs th
 
 from typing import Protocol
 
-from pagedchat.engine.chat import ChatSession
+from pagedchat.engine.chat import ChatSession, ChatSessionLike
 from pagedchat.engine.runtime.engine_thread import EngineThread, Sink
 from pagedchat.engine.api.outputs import RequestOutput
 from pagedchat.engine.api.params import SamplingParams
-from pagedchat.tui.conversation import ChatSessionLike, Send
+from pagedchat.tui.conversation import Send
 
 
 class ChatBackend(Protocol):

@@ -9,21 +9,11 @@ and the next turn starts a new request with the whole sequence, which the prefix
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 from pagedchat.engine.api.params import SamplingParams
+from pagedchat.engine.chat import ChatSessionLike, RequestKey, replay
 
 DEFAULT_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512, frequency_penalty=0.5)  # bench/loops.py
-
-
-class ChatSessionLike(Protocol):
-    """`pagedchat.engine.chat.ChatSession`, or a stand-in in tests."""
-
-    token_ids: list[int]
-    messages: list[dict[str, str]]  # the conversation as chat messages, the system prompt first
-
-    def user_turn(self, text: str) -> list[int]: ...
-    def add_reply(self, token_ids: list[int], text: str | None = None) -> None: ...
 
 
 class ContextFull(Exception):
@@ -38,7 +28,7 @@ class MessageTooLong(ContextFull):
 class Turn:
     role: str  # "user" | "assistant"
     text: str
-    token_ids: tuple[int, ...] = ()  # the model's own reply tokens, never re-tokenized
+    token_ids: tuple[int, ...] | None = None  # the model's own reply tokens; None: unknown (a saved reply)
     system_prompt: str | None = None  # the one in force when this turn was sent or generated
 
 
@@ -59,10 +49,14 @@ class Conversation:
         self.system_prompt = system_prompt
         self.params = params
         self.turns: list[Turn] = []
-        self.request_id: str | None = None  # the engine request that holds this conversation
+        self._request: RequestKey | None = None  # the engine request that holds this conversation
+        self._runs = 0  # this conversation's engine requests so far
         self._new_session = new_session
-        self._generation = 0  # numbers this conversation's engine requests
         self._session = new_session(system_prompt)
+
+    @property
+    def request_id(self) -> str | None:
+        return str(self._request) if self._request else None
 
     @property
     def num_tokens(self) -> int:
@@ -87,10 +81,8 @@ class Conversation:
             raise ContextFull(f"the conversation has {held} of the model's "
                               f"{max_len} tokens; this message needs {len(new_ids)} more")
         self.turns.append(Turn("user", text, system_prompt=self.system_prompt))
-        if self.request_id is None:
-            self._generation += 1
-            self.request_id = f"{self.key}.{self._generation}"
-            return Send(self.request_id, list(self._session.token_ids), True, self._messages())
+        if self._request is None:
+            return self._new_request()
         return Send(self.request_id, new_ids, False, self._messages())
 
     def add_reply(self, text: str, token_ids: list[int]) -> None:
@@ -102,9 +94,7 @@ class Conversation:
         if self.last_reply is None:
             raise ValueError("there is no reply to regenerate")
         old = self._drop(self.turns[:-1])
-        self._generation += 1
-        self.request_id = f"{self.key}.{self._generation}"
-        return old, Send(self.request_id, list(self._session.token_ids), True, self._messages())
+        return old, self._new_request()
 
     def fail_turn(self) -> str | None:
         """The last user message failed: forget it. Returns the request to close."""
@@ -140,9 +130,8 @@ class Conversation:
     def fork(self, key: str) -> "Conversation":
         """A copy with the same history; its request is forked from this one's (shared blocks)."""
         twin = self.branch(key, self.turns)
-        if self.request_id is not None:
-            twin._generation = 1
-            twin.request_id = f"{key}.1"
+        if self._request is not None:
+            twin._request, twin._runs = RequestKey(key), 1
         return twin
 
     def branch(self, key: str, turns: list[Turn]) -> "Conversation":
@@ -153,19 +142,21 @@ class Conversation:
         twin._replay(turns)
         return twin
 
+    def _new_request(self) -> Send:
+        """The whole sequence as a new engine request."""
+        self._runs += 1
+        self._request = RequestKey(self.key, self._runs)
+        return Send(self.request_id, list(self._session.token_ids), True, self._messages())
+
     def _messages(self) -> tuple[dict[str, str], ...]:
         return tuple(dict(message) for message in self._session.messages)
 
     def _drop(self, turns: list[Turn]) -> str | None:
-        old, self.request_id = self.request_id, None
+        old, self._request = self.request_id, None
         self._replay(turns)
         return old
 
     def _replay(self, turns: list[Turn]) -> None:
-        self._session = self._new_session(self.system_prompt)
-        for turn in turns:
-            if turn.role == "user":
-                self._session.user_turn(turn.text)
-            else:
-                self._session.add_reply(list(turn.token_ids), turn.text)
+        self._session = replay(self._new_session(self.system_prompt),
+                               ((turn.role, turn.text, turn.token_ids) for turn in turns))
         self.turns = list(turns)

@@ -8,12 +8,14 @@ loop; stopping a reply cancels its task, which closes the HTTP stream, and the s
 import asyncio
 import logging
 import uuid
+from collections.abc import Sequence
 
 from pagedchat.attach.client import ApiClient, ApiError
 from pagedchat.engine.runtime.engine_thread import Sink
 from pagedchat.engine.api.errors import one_line
 from pagedchat.engine.api.outputs import CompletionOutput, RequestOutput
 from pagedchat.engine.api.params import SamplingParams
+from pagedchat.engine.chat import RequestKey
 from pagedchat.tui.conversation import Send
 
 log = logging.getLogger(__name__)
@@ -30,7 +32,7 @@ class MessageSession:
         self.messages.append({"role": "user", "content": text})
         return []
 
-    def add_reply(self, token_ids: list[int], text: str | None = None) -> None:
+    def add_reply(self, token_ids: Sequence[int] | None, text: str | None = None) -> None:
         self.messages.append({"role": "assistant", "content": text or ""})
 
 
@@ -82,8 +84,7 @@ class RemoteChat:
             del self.server_ids[server_id]
 
     def session_id(self, request_id: str) -> str:
-        conversation = request_id.rsplit(".", 1)[0]  # a tab's requests are "<its key>.<n>"
-        return f"{self._session_prefix}-{conversation}"
+        return f"{self._session_prefix}-{RequestKey.parse(request_id).conversation}"
 
     def fork(self, source_id: str, twin_id: str, sink: Sink) -> None:
         """Nothing to tell the server: the twin sends its history with its first turn. Until then it counts
