@@ -6,7 +6,7 @@ from markdown_it import MarkdownIt
 from textual.content import Content
 from textual.widgets import Markdown
 
-from pagedchat.tui.sized_by_layout import SizedByLayout
+from pagedchat.tui.textual_private import MarkdownParagraph, SizedByLayout, keep_block_content, paragraphs_drawn_by
 
 # A model can emit control characters (ESC, backspace, ...); written raw they would move the
 # terminal's cursor and tear the screen. Show them as their Unicode control pictures instead.
@@ -25,26 +25,21 @@ def _parser() -> MarkdownIt:
     return MarkdownIt("gfm-like")
 
 
-# Textual's MarkdownParagraph, reached through the public block table: textual.widgets.markdown does not
-# export the class itself.
-MarkdownParagraph = Markdown.BLOCKS["paragraph_open"]
-
-
 class StreamedParagraph(SizedByLayout, MarkdownParagraph):
     """A paragraph that asks for a layout only when its wrapped height changes. A streamed reply
     rewrites its last paragraph with every token, and a layout of the screen costs several times
     a repaint (then the anchored transcript's scrollbar takes another frame)."""
 
     def set_content(self, content: Content) -> None:
-        # MarkdownBlock.set_content, with update(layout=False). `_content` is Textual's own (private):
-        # MarkdownParagraph copies it from the new block to the shown one when a streamed reply updates.
-        self._content = content
+        # MarkdownBlock.set_content, with update(layout=False).
+        keep_block_content(self, content)
         size = self.content_size
         self.update(content, layout=False)
         if not size.width or self.get_content_height(size, size, size.width) != size.height:
             self.refresh(layout=True)
 
 
+@paragraphs_drawn_by(StreamedParagraph)
 class ChatMessage(SizedByLayout, Markdown):
     DEFAULT_CSS = """
     ChatMessage {
@@ -69,8 +64,6 @@ class ChatMessage(SizedByLayout, Markdown):
         color: $text-warning;
     }
     """
-
-    BLOCKS = {**Markdown.BLOCKS, "paragraph_open": StreamedParagraph}
 
     def __init__(self, role: str, text: str = "") -> None:
         super().__init__(visible(text), classes=f"-{role}", parser_factory=_parser)

@@ -4,17 +4,16 @@ from collections.abc import Callable
 from itertools import groupby
 
 from rich.text import Text
-from textual.geometry import Size
-from textual.reactive import Reactive
 from textual.widgets import RichLog
 
 from pagedchat.engine.api.snapshot import BlockEvent, KVSnapshot
+from pagedchat.tui.textual_private import ScrollsWithoutLayout
 from pagedchat.tui.themes import SessionTag
 
 MAX_IDS = 8  # block ids listed per line; a long prefill allocates dozens in one step
 
 
-class EventLog(RichLog):
+class EventLog(ScrollsWithoutLayout, RichLog):
     """New events of each snapshot, one line per run of same-kind events of one request in one step."""
 
     DEFAULT_CSS = """
@@ -26,16 +25,6 @@ class EventLog(RichLog):
         scrollbar-size-vertical: 1;
     }
     """
-
-    # Each new line grows what the log scrolls over, and Widget's `virtual_size` asks for a layout
-    # of the whole screen then (~15 ms here, most snapshots while replies stream). The log's own
-    # size is fixed (1fr): it updates its scrollbars itself instead. Textual has no public call for
-    # that: `_scroll_update` is private (Textual's OptionList calls it the same way, after setting
-    # its virtual size).
-    virtual_size: Reactive[Size] = Reactive(Size(0, 0), layout=False)
-
-    def watch_virtual_size(self, size: Size) -> None:
-        self._scroll_update(size)
 
     def __init__(self, **kwargs) -> None:
         super().__init__(max_lines=400, wrap=False, markup=False, **kwargs)

@@ -12,7 +12,7 @@ from textual.geometry import Region, Size
 from textual.strip import Strip
 from textual.widget import Widget
 
-from pagedchat.tui.sized_by_layout import SizedByLayout
+from pagedchat.tui.textual_private import SizedByLayout
 
 
 class TextPanel(SizedByLayout, Widget):
