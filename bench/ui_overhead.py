@@ -65,17 +65,17 @@ class Redraws:
 
     def watch(self, app, pane) -> None:
         """Time what the app's tick changes of `pane` (the tab on show), by wrapping the two calls that
-        change it: the pane's `draw` and the app's `_update_labels`."""
-        draw, relabel = pane.draw, app._update_labels
+        change it: the pane's `draw` and the app's `update_labels`."""
+        draw, relabel = pane.draw, app.update_labels
 
         async def timed_draw() -> None:
-            before = pane._shown
+            before = pane.shown_text
             await draw()
-            if pane._shown != before:
+            if pane.shown_text != before:
                 self.reply.append(time.perf_counter())
 
         def shown_count() -> str | None:  # the tab's label as on screen: "■ Chat 4  151 tok · generating"
-            found = re.search(r"(\d+) tok", app._tabbed.get_tab(pane.id).label.plain)
+            found = re.search(r"(\d+) tok", app.tab_labels.shown(pane.id))
             return found and found.group(1)
 
         def timed_relabel() -> None:
@@ -86,7 +86,7 @@ class Redraws:
             if after != before and before is not None and after is not None:
                 self.count.append(time.perf_counter())
 
-        pane.draw, app._update_labels = timed_draw, timed_relabel
+        pane.draw, app.update_labels = timed_draw, timed_relabel
 
     def count_while_streaming(self) -> list[float]:
         """The count's changes between the reply's first redraw and its last, and those two: a count
@@ -154,7 +154,8 @@ async def in_app(llm, tabs: int, reply: int) -> tuple[Times, float, Redraws]:
 
 
 def ui_overhead_section(model: str | None, dtype: str, tabs: int = 4, reply: int = 48, rounds: int = 5) -> Section:
-    from pagedchat.tui.app import LABEL_COUNT_EVERY_S, MAX_DRAW_GAP_S, POLL_HZ, UI_CPU_SHARE
+    from pagedchat.tui.frame_budget import MAX_DRAW_GAP_S, POLL_HZ, UI_CPU_SHARE
+    from pagedchat.tui.tab_labels import LABEL_COUNT_EVERY_S
     from pagedchat.engine.runtime.engine_thread import GIL_SWITCH_INTERVAL_S
 
     load = load_average()

@@ -50,7 +50,7 @@ def make_app(tiny_model):
 def watched_worker(monkeypatch):
     """The app's engine thread gets a condition that tells when it sleeps with nothing to do
     (test_tui_worker.WatchedCondition): `idle(app.worker)`."""
-    monkeypatch.setattr("pagedchat.tui.app.EngineThread", lambda *args, **kwargs: watch(EngineThread(*args, **kwargs)))
+    monkeypatch.setattr("pagedchat.tui.source.EngineThread", lambda *args, **kwargs: watch(EngineThread(*args, **kwargs)))
 
 
 async def loaded(pilot) -> PagedChatApp:
@@ -228,7 +228,7 @@ async def test_clicking_a_block_shows_what_it_holds(make_app):
         grid = app.query_one(BlockGrid)
         # the panel draws the snapshot before the layout gives the grid its rows: a click then lands above it
         await wait_until(pilot, lambda: grid.region.height > 0, what="the grid laid out")
-        await pilot.click(BlockGrid, offset=(grid._gutter, 0))
+        await pilot.click(BlockGrid, offset=grid.cell_offset(0))
         await wait_until(pilot, lambda: grid.cursor == 0, what="block 0 selected")
         detail = str(app.query_one(BlockDetail).render())
         assert "block 0 · ref 1 · 16/16 tokens" in detail and "owners: chat 1" in detail
@@ -381,7 +381,7 @@ async def test_a_pasted_megabyte_is_kept_whole_and_refused_if_it_cannot_fit(make
         assert box.text == text  # kept, to shorten
         pane = app.current_pane
         assert sent == [] and not pane.full and pane.conversation.turns == []
-        assert_all_free(app.worker._engine.kv_snapshot())  # the engine thread got nothing: it is idle
+        assert_all_free(app.source.engine.kv_snapshot())  # the engine thread got nothing: it is idle
         await still_chats(pilot, box, sent)
 
 
@@ -389,7 +389,7 @@ async def test_a_pasted_megabyte_is_kept_whole_and_refused_if_it_cannot_fit(make
 async def test_an_engine_error_shows_in_its_tab_and_the_others_go_on(make_app):
     async with make_app().run_test(size=SIZE) as pilot:
         app = await loaded(pilot)
-        engine = app.worker._engine
+        engine = app.source.engine
         add_request = engine.add_request
 
         def failing(request_id, *args, **kwargs):
@@ -463,14 +463,14 @@ async def test_demo_tabs_chat_by_themselves(tiny_model):
     kwargs = dict(model=tiny_model, dtype="float32", device="cpu", attention_backend="torch", num_kv_blocks=128)
     async with PagedChatApp(lambda: LLM(**kwargs), demo="chat").run_test(size=SIZE) as pilot:
         app = pilot.app
-        await wait_until(pilot, lambda: len(app._panes) == 4, what="four demo tabs")
-        panes = list(app._panes.values())
+        await wait_until(pilot, lambda: len(app.panes) == 4, what="four demo tabs")
+        panes = list(app.panes.values())
         await wait_until(pilot, lambda: all(p.conversation.turns for p in panes), what="every tab to send")
         # The demo tabs share one long system prompt: the prefix cache stores its blocks once.
         await wait_until(pilot, lambda: any(b.ref_count > 1 for b in app.worker.snapshot.blocks),
                          what="shared prompt blocks")
         await app.run_action("toggle_demo")
-        assert not app._demo_on
+        assert not app.demo.on
 
 
 @async_test
@@ -484,9 +484,9 @@ async def test_chats_are_saved_and_offered_back(make_app, tmp_path):
         await reply_done(pilot, pane)
         reply = pane.conversation.last_reply.text
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: len(app._panes) == 2, what="a second tab")
+        await wait_until(pilot, lambda: len(app.panes) == 2, what="a second tab")
         await pilot.press("ctrl+w")  # a closed tab is not offered back
-        await wait_until(pilot, lambda: len(app._panes) == 1, what="the tab to close")
+        await wait_until(pilot, lambda: len(app.panes) == 1, what="the tab to close")
     [saved] = History(tmp_path / "history.sqlite3").open_chats()
     assert saved.messages == [{"role": "user", "content": "remember me"}, {"role": "assistant", "content": reply}]
 

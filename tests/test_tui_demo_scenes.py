@@ -22,8 +22,8 @@ def scene_app(tiny_model, scene: str, num_kv_blocks: int) -> PagedChatApp:
 async def test_the_pressure_scene_runs_its_pool_dry_and_the_engine_preempts(tiny_model):
     app = scene_app(tiny_model, "pressure", SCENES["pressure"].num_blocks)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_until(pilot, lambda: len(app._panes) == 6, what="six demo tabs", timeout=60)
-        prompts = {pane.conversation.system_prompt for pane in app._panes.values()}
+        await wait_until(pilot, lambda: len(app.panes) == 6, what="six demo tabs", timeout=60)
+        prompts = {pane.conversation.system_prompt for pane in app.panes.values()}
         assert prompts == set(PROMPTS)  # nothing shared: each tab's blocks are its own
         await wait_until(pilot, lambda: app.worker.snapshot.num_preemptions > 0, what="a preemption", timeout=120)
 
@@ -32,10 +32,10 @@ async def test_the_pressure_scene_runs_its_pool_dry_and_the_engine_preempts(tiny
 async def test_the_sharing_scene_forks_its_first_tab_and_the_forks_share_its_blocks(tiny_model):
     app = scene_app(tiny_model, "sharing", 256)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_until(pilot, lambda: len(app._panes) == 3, what="two tabs and a fork", timeout=120)
-        titles = sorted(pane.title for pane in app._panes.values())
+        await wait_until(pilot, lambda: len(app.panes) == 3, what="two tabs and a fork", timeout=120)
+        titles = sorted(pane.title for pane in app.panes.values())
         assert titles == ["demo 1", "demo 1′", "demo 2"]
-        first, fork = (next(p for p in app._panes.values() if p.title == title) for title in ("demo 1", "demo 1′"))
+        first, fork = (next(p for p in app.panes.values() if p.title == title) for title in ("demo 1", "demo 1′"))
         await wait_until(pilot, lambda: fork.is_mounted and fork.conversation.request_id is not None, what="the fork")
 
         def shared_by_both() -> bool:
@@ -49,9 +49,9 @@ async def test_the_sharing_scene_forks_its_first_tab_and_the_forks_share_its_blo
 async def test_the_sharing_scenes_second_tab_samples_each_reply_three_times_in_branches_of_its_own(tiny_model):
     app = scene_app(tiny_model, "sharing", 256)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_until(pilot, lambda: len(app._panes) >= 2, what="the two tabs", timeout=60)
-        pane = next(p for p in app._panes.values() if p.title == "demo 2")
-        assert pane.conversation.params.n == 3 and next(iter(app._panes.values())).conversation.params.n == 1
+        await wait_until(pilot, lambda: len(app.panes) >= 2, what="the two tabs", timeout=60)
+        pane = next(p for p in app.panes.values() if p.title == "demo 2")
+        assert pane.conversation.params.n == 3 and next(iter(app.panes.values())).conversation.params.n == 1
 
         def notes() -> list[str]:
             return [m.source for m in pane.query(ChatMessage) if m.role == "notice"]

@@ -116,11 +116,11 @@ def test_edit_screen_picture(snap_compare):
     async def list_up(pilot):
         app = await loaded(pilot)
         app.query_one(KVPanel).display = False
-        conversation, _ = app._new_conversation()
+        conversation, _ = app.tabs.new_conversation()
         conversation.restore([Turn("user", "What is a KV cache?"), Turn("assistant", "It keeps keys.", (97,)),
                               Turn("user", LONG_MESSAGE), Turn("assistant", "Blocks are shared.", (98,)),
                               Turn("user", "And copy-on-write?")])
-        await app._open(conversation, "paging", record=False)
+        await app.tabs.open(conversation, "paging", record=False)
         await pilot.press("ctrl+o")
         await wait_until(pilot, lambda: isinstance(app.screen, EditScreen), what="the list of messages")
         await pilot.pause()

@@ -60,7 +60,7 @@ LATE_S = (0.0, 0.04, 0.01, 0.0, 0.03, 0.0, 0.0, 0.04, 0.02, 0.0, 0.0)  # how lat
 
 def app_ticks(seconds: float) -> list[float]:
     """When the app's draws happen over `seconds` of streaming, by the app's own budget."""
-    from pagedchat.tui.app import MAX_DRAW_GAP_S, POLL_HZ, UI_CPU_SHARE
+    from pagedchat.tui.frame_budget import MAX_DRAW_GAP_S, POLL_HZ, UI_CPU_SHARE
 
     clocks = Clocks()
     frames = FrameBudget(UI_CPU_SHARE, MAX_DRAW_GAP_S, clock=lambda: clocks.wall, cpu_clock=lambda: clocks.cpu)
@@ -75,7 +75,7 @@ def app_ticks(seconds: float) -> list[float]:
 
 
 def test_the_apps_budget_redraws_a_streaming_reply_at_least_every_250_ms():
-    from pagedchat.tui.app import UI_CPU_SHARE
+    from pagedchat.tui.frame_budget import UI_CPU_SHARE
 
     assert DRAW_CPU_S / UI_CPU_SHARE > 1.0  # the share alone would wait over a second after each draw
     draws = app_ticks(10.0)
@@ -84,7 +84,7 @@ def test_the_apps_budget_redraws_a_streaming_reply_at_least_every_250_ms():
 
 
 def test_a_streaming_tabs_count_is_at_most_a_second_old():
-    from pagedchat.tui.app import LABEL_COUNT_EVERY_S
+    from pagedchat.tui.tab_labels import LABEL_COUNT_EVERY_S
 
     relabels = []
     for drawn_at in app_ticks(10.0):  # the count changes at every step: each draw has a newer one

@@ -3,7 +3,7 @@ tabs fit), a closed tab's blocks named by its title in the event log, and no sta
 
 from test_tui_app import SIZE, loaded, make_app, reply_done  # noqa: F401 (make_app is a fixture)
 from test_tui_support import async_test, frozen_llm, make_snapshot, wait_until
-from textual.widgets import Tab
+from textual.widgets import Tab, TabbedContent
 
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.event_log import EventLog
@@ -45,7 +45,7 @@ async def test_a_closed_tabs_blocks_are_named_by_its_title_and_a_new_turn_clears
         assert "last turn" not in str(first.query_one("#turn-info").render())
         await reply_done(pilot, first)
         await app.action_new_chat()
-        app._tabbed.active = first.id
+        app.query_one(TabbedContent).active = first.id
         await pilot.press("ctrl+w")
         log = app.query_one(EventLog)
         await wait_until(pilot, lambda: any(("free" in line.text or "release" in line.text) and "chat 1" in line.text

@@ -111,7 +111,7 @@ async def test_the_event_log_follows_new_events_without_a_layout():
 async def test_selecting_a_block_shows_its_tokens():
     async with PanelApp(SHARED).run_test(size=SIZE) as pilot:
         grid = app_grid = pilot.app.query_one(BlockGrid)
-        await pilot.click(BlockGrid, offset=(grid._gutter + 2 * 3, 0))  # the fourth cell: block 3
+        await pilot.click(BlockGrid, offset=grid.cell_offset(3))  # the fourth cell
         await pilot.pause()
         assert app_grid.cursor == 3
         detail = str(pilot.app.query_one(BlockDetail).render())

@@ -29,8 +29,8 @@ async def test_the_ui_encodes_long_messages_while_four_replies_stream(tiny_model
     async with PagedChatApp(load, params=REPLY).run_test(size=SIZE) as pilot:
         app = await loaded(pilot)
         engine_tokenizer = llms[0].get_tokenizer()
-        assert app.tokenizer is not engine_tokenizer
-        assert app.tokenizer._tokenizer is not engine_tokenizer._tokenizer  # not even the Rust object
+        assert app.source.tokenizer is not engine_tokenizer
+        assert app.source.tokenizer._tokenizer is not engine_tokenizer._tokenizer  # not even the Rust object
         await pilot.press("f5")  # the four replies start together
         panes = []
         for number, text in enumerate(MESSAGES):
@@ -48,8 +48,8 @@ async def test_the_ui_encodes_long_messages_while_four_replies_stream(tiny_model
         while any(pane.replying for pane in panes) and encoded < 10_000:
             # What the UI does with a message: encode it plainly, and with truncation, whose settings
             # the Rust tokenizer changes in place (a borrow that another thread's decode would break).
-            assert app.tokenizer.encode(long_message, add_special_tokens=False)
-            assert len(app.tokenizer(long_message, truncation=True, max_length=64)["input_ids"]) == 64
+            assert app.source.tokenizer.encode(long_message, add_special_tokens=False)
+            assert len(app.source.tokenizer(long_message, truncation=True, max_length=64)["input_ids"]) == 64
             encoded += 1
             await asyncio.sleep(0)
         await reply_done(pilot, *panes)

@@ -6,14 +6,16 @@ app's own grid, drawn from the server's snapshot with the tabs' requests renamed
 
 import asyncio
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pagedchat.attach.client import ApiClient, ApiError, ServerInfo
 from pagedchat.attach.watch import GridWatch, LogicalSnapshot, LogicalWatch
 from pagedchat.engine.api.snapshot import KVSnapshot
+from pagedchat.tui.conversation import Conversation
 from pagedchat.tui.logical_panel import LogicalPanel
 from pagedchat.tui.remote_chat import RemoteChat
+from pagedchat.tui.themes import SessionTag
 
 FETCHING = "(fetching its text from the server…)"
 
@@ -27,10 +29,16 @@ class AttachTarget:
 
 
 class Attached:
-    """The connection once made: the tabs' backend, the watch behind the panel, and block texts."""
+    """The app's source (`pagedchat.tui.source.Source`) when attached: the tabs' backend, the watch behind
+    the panel, and block texts. `on_text` is told when a block's text fetched from the server arrives."""
 
-    def __init__(self, target: AttachTarget) -> None:
+    moves_on_its_own = True  # the server's other clients move its engine
+    teaching = None  # its engine runs on its own
+    worker = None
+
+    def __init__(self, target: AttachTarget, on_text: Callable[[], None]) -> None:
         self.target = target
+        self.loading = (target.url, "connecting to")
         self.client = ApiClient(target.url, target.api_key)
         self.info: ServerInfo | None = None
         self.chat: RemoteChat | None = None
@@ -38,9 +46,13 @@ class Attached:
         self._renamed: tuple[KVSnapshot, KVSnapshot] | None = None  # the server's snapshot and ours
         self._texts: dict[tuple[int, ...], str] = {}
         self._fetches: set[asyncio.Task] = set()
-        self._on_text = lambda: None
+        self._on_text = on_text
 
-    async def connect(self) -> None:
+    @property
+    def attached(self) -> "Attached":
+        return self
+
+    async def open(self) -> None:
         """Raises ApiError, one line, if the server is not there or refuses."""
         self.info = await self.client.info()
         self.chat = RemoteChat(self.client, self.info.max_model_len)
@@ -55,8 +67,19 @@ class Attached:
         """Whether the server publishes its blocks (`pagedchat serve`): then the real grid is drawn."""
         return self.info is not None and self.info.kind == "pagedchat"
 
-    def panel(self) -> LogicalPanel:
-        return LogicalPanel(self.client.detokenize)
+    def panel(self) -> LogicalPanel | None:
+        """The logical view where the server publishes no blocks (vLLM); else the app's KV panel."""
+        return None if self.grid else LogicalPanel(self.client.detokenize, id="panel")
+
+    def draw(self, panel, snapshot: KVSnapshot | LogicalSnapshot, tag_of: Callable[[str], SessionTag]) -> None:
+        if self.grid:
+            panel.show(snapshot, tag_of, self.decode)
+        else:
+            panel.show(snapshot, self.contexts(), tag_of)
+
+    def num_tokens(self, conversation: Conversation) -> int:
+        """The server's count of the conversation's tokens: it applies the chat template itself."""
+        return self.chat.num_tokens(conversation.request_id)
 
     def contexts(self) -> dict[str, list[int]]:
         return self.chat.contexts if self.chat else {}
@@ -81,9 +104,6 @@ class Attached:
             self._fetches.add(task)
             task.add_done_callback(self._fetches.discard)
         return self._texts[key]
-
-    def when_text_arrives(self, callback) -> None:
-        self._on_text = callback
 
     async def _fetch_text(self, key: tuple[int, ...]) -> None:
         try:

@@ -12,7 +12,7 @@ from rich.style import Style
 from textual import events
 from textual.binding import Binding, BindingType
 from textual.cache import LRUCache
-from textual.geometry import Region, Size
+from textual.geometry import Offset, Region, Size
 from textual.message import Message
 from textual.reactive import reactive
 from textual.scroll_view import ScrollView
@@ -138,6 +138,11 @@ class BlockGrid(ScrollView, can_focus=True):
         for row, (old, new) in enumerate(zip(old_keys, self._row_keys)):
             if old != new:
                 self.refresh_line(row)
+
+    def cell_offset(self, block_id: int) -> Offset:
+        """Where a block's cell is drawn, in the grid's content as scrolled now (what a click there gives)."""
+        row, column = divmod(block_id, self._columns)
+        return Offset(self._gutter + column * CELL_WIDTH, row - self.scroll_offset.y)
 
     @property
     def _gutter(self) -> int:

@@ -1,18 +1,22 @@
 """One chat tab: a conversation kept resident in the engine, its transcript and its message box."""
 
+import time
+
+import platformdirs
 from textual import events
 from textual.app import ComposeResult
 from textual.content import Content
 from textual.containers import VerticalScroll
 from textual.widgets import Button, Static, TabPane
 
+from pagedchat.engine.api.errors import one_line
 from pagedchat.engine.api.outputs import CompletionOutput, RequestOutput
 from pagedchat.tui.chat_backend import ChatBackend
 from pagedchat.tui.chat_message import ChatMessage, visible
 from pagedchat.tui.chat_record import ChatRecord
 from pagedchat.tui.conversation import ContextFull, Conversation, MessageTooLong, Send
 from pagedchat.tui.message_box import MessageBox
-from pagedchat.tui.settings_screen import TabSettings
+from pagedchat.tui.settings_screen import SettingsScreen, TabSettings
 from pagedchat.tui.worker import EngineError, EngineOutput, WidgetSink
 
 FINISH_NOTES = {"abort": "stopped", "length": "max tokens reached"}
@@ -135,6 +139,11 @@ class ChatPane(TabPane):
         self._start_reply(send)
 
     @property
+    def shown_text(self) -> str:
+        """The reply in progress as drawn on screen (`draw`)."""
+        return self._shown
+
+    @property
     def reply_text(self) -> str:
         """The reply in progress, as far as the engine has reported it."""
         self.catch_up()
@@ -149,6 +158,32 @@ class ChatPane(TabPane):
             self._text = output.outputs[0].text
             if self.record:
                 self.record.reply_progress(self._text)
+
+    def copy_reply(self) -> None:
+        if (reply := self.conversation.last_reply) is None:
+            self.notify("No reply to copy yet.", severity="warning")
+            return
+        self.app.copy_to_clipboard(reply.text)
+        self.notify(f"Copied {len(reply.text)} characters.")
+
+    def export(self) -> None:
+        """Save the conversation as Markdown in the documents folder, not the current directory
+        (wherever the app was started from); platformdirs honours XDG_DOCUMENTS_DIR and user-dirs.dirs."""
+        if not self.conversation.turns:
+            self.notify("Nothing to export yet.", severity="warning")
+            return
+        path = platformdirs.user_documents_path() / "pagedchat" / f"{self.id}-{time.strftime('%Y%m%d-%H%M%S')}.md"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(self.conversation.markdown(self.title), encoding="utf-8")
+        except OSError as exc:
+            self.notify(f"Could not export the chat to {path}: {one_line(exc)}", severity="error")
+            return
+        self.notify(f"Saved the chat to {path}")
+
+    def edit_settings(self) -> None:
+        settings = TabSettings(self.conversation.system_prompt, self.conversation.params)
+        self.app.push_screen(SettingsScreen(self.title, settings), self.apply_settings)
 
     def apply_settings(self, settings: TabSettings | None) -> None:
         if settings is None:

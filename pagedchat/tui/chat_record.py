@@ -5,20 +5,31 @@ second, so a crash or `kill -KILL` loses at most the last second of it.
 """
 
 import time
+from dataclasses import replace
 
 from pagedchat.engine.api.params import SamplingParams
 from pagedchat.history import History
 from pagedchat.tui.conversation import Conversation
+from pagedchat.tui.settings_screen import FIELDS
 
 SAVE_EVERY_S = 1.0
 
 
-# What a tab's settings hold (the f2 dialog's fields), saved with the chat and read back by the app.
-SAVED_SETTINGS = ("temperature", "top_p", "max_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty")
+# What a tab's settings hold: the f2 dialog's fields, saved with the chat and read back on restore.
+SAVED_SETTINGS = tuple(name for row in FIELDS for name, _, _ in row)
 
 
 def settings_of(params: SamplingParams) -> dict:
     return {name: getattr(params, name) for name in SAVED_SETTINGS}
+
+
+def params_of(settings: dict, defaults: SamplingParams) -> SamplingParams:
+    """A saved tab's sampling: `defaults` with the settings it saved; a setting it has not saved (an
+    older history's penalties) stays the default."""
+    try:
+        return replace(defaults, **{name: settings[name] for name in SAVED_SETTINGS if name in settings})
+    except (TypeError, ValueError):  # settings a user could not have saved: the defaults
+        return defaults
 
 
 class ChatRecord:

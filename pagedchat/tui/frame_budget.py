@@ -4,6 +4,10 @@ import math
 import time
 from collections.abc import Callable
 
+POLL_HZ = 10  # the app's tick: it takes the engine's news and draws, frame budget permitting
+UI_CPU_SHARE = 0.03  # of a core: the UI thread's while the engine works, drawing gives way
+MAX_DRAW_GAP_S = 1.5 / POLL_HZ  # while the engine runs, a draw at least every other tick (half a tick spare)
+
 
 class FrameBudget:
     """On the CPU machines whatever the UI thread computes the engine loses: a core and the GIL.
