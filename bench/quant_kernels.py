@@ -80,7 +80,8 @@ def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--types", nargs="+", default=list(TYPES), choices=[GGMLQuantizationType(t).name for t in quant.TYPES])
+    parser.add_argument("--types", nargs="+", default=list(TYPES),
+                        choices=[GGMLQuantizationType(t).name for t in quant.TYPES])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 16, 256])
     parser.add_argument("--isas", nargs="+", default=quant.available_isas())

@@ -45,7 +45,8 @@ typedef struct { uint8_t ql[128], qh[64]; int8_t scales[16]; uint16_t d; } block
 _Static_assert(sizeof(block_q8_0) == 34 && sizeof(block_q4_0) == 18 && sizeof(block_q4_1) == 20, "ggml layout");
 _Static_assert(sizeof(block_q4_K) == 144 && sizeof(block_q5_K) == 176 && sizeof(block_q6_K) == 210, "ggml layout");
 
-/* x quantized: q [M, K] and its blocks' d [M, K / 32 or 256]; for all but Q6_K, ds [M, K / 32], the block's d
+/* x quantized: q [M, K] (for Q4_0 and Q4_1 in the AVX2 build, each pair of blocks in the order that
+ * q4_pair_step reads) and its blocks' d [M, K / 32 or 256]; for all but Q6_K, ds [M, K / 32], the block's d
  * times the sum of each 32 (which Q4_0's offset, Q4_1's m and the mins of Q4_K and Q5_K multiply); for Q6_K,
  * the sums of each 16 [M, K / 16] (which its offset times its scales multiply) */
 typedef struct {
@@ -509,8 +510,9 @@ ALWAYS void q4_pair_step(int type, const uint8_t *w, const acts *a, int64_t m0, 
         const __m256i p = dot8(lo, _mm256_loadu_si256((const __m256i *)xq), hi,
                                _mm256_loadu_si256((const __m256i *)(xq + 32)));
         /* d, m (or d), times x's d and d * sum, of both blocks */
-        const __m128 f = _mm_mul_ps(dm, _mm_unpacklo_ps(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(a->d + i))),
-                                                        _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(a->ds + i)))));
+        const __m128 xd = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(a->d + i)));
+        const __m128 xds = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(a->ds + i)));
+        const __m128 f = _mm_mul_ps(dm, _mm_unpacklo_ps(xd, xds));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(_mm256_castps128_ps256(f), lanes),
                                  acc[r]);
         offset[r] = _mm_add_ps(offset[r], f);

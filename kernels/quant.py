@@ -5,7 +5,6 @@ bits on the way, as llama.cpp does; and the fp32 rows of such a tensor (a quanti
 The C file is built once per instruction set of `native.ISAS` that the CPU has; `linear` takes the best one
 unless told, so that the tests can run each of them."""
 
-import ctypes
 import functools
 
 import torch
@@ -14,19 +13,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from pagedchat.kernels import native
 
 SOURCE = "cpu_quant.c"
-PREFERENCE = ("avx2", "portable")  # keys of native.ISAS that build cpu_quant.c, best first
+# the keys of native.ISAS that build cpu_quant.c, best first (the VNNI ones differ in vpdpbusd alone)
+PREFERENCE = ("avx512_vnni", "avx_vnni", "avx2", "portable")
 TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
                    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K})
-
-_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-ARGTYPES = {
-    # x, kind, M, K, w, ggml_type, N, y, ldy, threads
-    "pagedchat_quant_linear": [_P, _I32, _I64, _I64, _P, _I32, _I64, _P, _I64, _I32],
-    # w, ggml_type, K, row ids, count, out, threads
-    "pagedchat_quant_dequantize_rows": [_P, _I32, _I64, _P, _I64, _P, _I32],
-}
-
-
 # (values, bytes) of a block of each type, by plain int: the checks run on every product of a decode step
 _BLOCKS = {int(t): GGML_QUANT_SIZES[t] for t in TYPES}
 
@@ -63,13 +53,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, depth: int, ou
     best."""
     _check_weight(weight, ggml_type, depth)
     kind = native.KINDS.get(x.dtype)
-    if kind is None or x.dim() != 2 or x.shape[1] != depth or x.device.type != "cpu":
+    if kind is None or x.dim() != 2 or x.shape[1] != depth or not x.is_cpu:
         raise ValueError(f"x must be a CPU tensor [M, {depth}] of fp32, bf16 or fp16, not {x.dtype} {tuple(x.shape)}")
     rows, width = x.shape[0], weight.shape[0]
     if out is None:
         out = torch.empty(rows, width, dtype=torch.float32)
-    elif out.dtype != torch.float32 or out.shape != (rows, width) or (width > 1 and out.stride(1) != 1):
-        raise ValueError(f"out must be fp32 [{rows}, {width}] with contiguous rows, not {out.dtype} "
+    elif (out.dtype != torch.float32 or out.shape != (rows, width) or (width > 1 and out.stride(1) != 1)
+          or not out.is_cpu):
+        raise ValueError(f"out must be a CPU fp32 [{rows}, {width}] with contiguous rows, not {out.dtype} "
                          f"{tuple(out.shape)} strides {out.stride()}")
     if rows and width:
         x = x.contiguous()
@@ -93,7 +84,7 @@ def dequantize_rows(weight: torch.Tensor, ggml_type: int, depth: int, rows: torc
 
 
 @functools.cache
-def _kernel(symbol: str, isa: str) -> ctypes._CFuncPtr | None:
+def _kernel(symbol: str, isa: str) -> native.Kernel | None:
     return native.function(SOURCE, symbol, isa=isa)
 
 
@@ -118,6 +109,6 @@ def _block(ggml_type: int) -> tuple[int, int]:
 def _check_weight(weight: torch.Tensor, ggml_type: int, depth: int) -> None:
     expected = row_bytes(ggml_type, depth)
     if (weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] != expected
-            or not weight.is_contiguous() or weight.device.type != "cpu"):
+            or not weight.is_contiguous() or not weight.is_cpu):
         raise ValueError(f"weight must be a contiguous CPU uint8 tensor [N, {expected}], not {weight.dtype} "
                          f"{tuple(weight.shape)}")
