@@ -2,6 +2,7 @@ import itertools
 import os
 from collections.abc import Sequence as SequenceABC
 
+from pagedchat.engine.chat import chat_prompt
 from pagedchat.engine.config import EngineArgs, ResolvedConfig
 from pagedchat.engine.llm_engine import LLMEngine
 from pagedchat.engine.loading import loader
@@ -76,12 +77,5 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True),
-                add_special_tokens=False,
-            )
-            for conv in conversations
-        ]
-        return self.generate(prompts, sampling_params)
+        return self.generate([chat_prompt(self.tokenizer, conv) for conv in conversations], sampling_params)
 
