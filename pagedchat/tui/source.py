@@ -63,6 +63,7 @@ class LocalEngine:
                  on_engine: Callable[[object, EngineThread], None] | None = None) -> None:
         self.loading = (model_name, "loading")
         self.chat: LocalChat | None = None
+        self.engine = None  # the LLMEngine, the thread's alone once it runs: tests touch it only while it idles
         self.worker: EngineThread | None = None
         self.tokenizer = None  # the UI thread's own: the engine thread decodes with the engine's
         self._load_llm = load_llm
@@ -79,7 +80,7 @@ class LocalEngine:
         # one last collection, so that the loading's own garbage is not frozen with them).
         gc.collect()
         gc.freeze()
-        self.engine = llm.engine  # the thread's alone once it runs: tests touch it only while it idles
+        self.engine = llm.engine
         self.worker = EngineThread(self.engine, on_command=self._on_command)
         self.worker.start()
         self.chat = LocalChat(self.worker, self.tokenizer, self.engine.config.max_model_len)
