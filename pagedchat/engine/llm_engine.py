@@ -7,6 +7,7 @@ from types import MappingProxyType, ModuleType
 import torch
 
 from pagedchat.engine import detokenizer
+from pagedchat.engine.chat import sample_id
 from pagedchat.engine.core.block_pool import BlockPool
 from pagedchat.engine.core.kv_manager import KVCacheManager
 from pagedchat.engine.worker.model_runner import ModelRunner
@@ -224,7 +225,7 @@ class LLMEngine:
         group = self.groups[seq.request_id]
         if len(group) == seq.params.n:
             return [seq]
-        group += [self._fork(seq, f"{seq.request_id}#{i}", seq.request_id, i, None) for i in range(1, seq.params.n)]
+        group += [self._fork(seq, sample_id(seq.request_id, i), seq.request_id, i, None) for i in range(1, seq.params.n)]
         return group
 
     def _commit(self, seq: Sequence, token: int) -> None:
