@@ -11,7 +11,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, GPT2Config
 
+from pagedchat.engine.loading import gguf as gguf_loading
 from pagedchat.engine.loading import loader
+from pagedchat.engine.loading.gguf import GgufModel
 from pagedchat.engine.loading.loader import (ModelError, check_model, load_model, model_context_len, resolve_device,
                                      resolve_dtype, resolve_model)
 from conftest import build_tiny_model
@@ -35,6 +37,18 @@ def copy_of(model: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(model, tmp_path / "model"))
 
 
+def add_tokenizer(writer: gguf.GGUFWriter, tokenizer) -> None:
+    """The tokenizer's vocabulary, special tokens and chat template as llama.cpp's metadata."""
+    writer.add_tokenizer_model("gpt2")
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_scores([0.0] * len(vocab))  # gguf drops an empty merges list; scores stand in
+    writer.add_token_types([3 if token in tokenizer.all_special_tokens else 1 for token, _ in vocab])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_chat_template(tokenizer.chat_template)
+
+
 def write_gguf(model: Path, out: Path) -> Path:
     """The tiny Llama as a llama.cpp-style GGUF (F32 tensors, q/k rows permuted as llama.cpp does)."""
     config = json.loads((model / "config.json").read_text())
@@ -48,14 +62,7 @@ def write_gguf(model: Path, out: Path) -> Path:
     writer.add_head_count(heads := config["num_attention_heads"])
     writer.add_head_count_kv(kv_heads := config["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_tokenizer_model("gpt2")
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    writer.add_token_list([token for token, _ in vocab])
-    writer.add_token_scores([0.0] * len(vocab))  # gguf drops an empty merges list; scores stand in
-    writer.add_token_types([3 if token in tokenizer.all_special_tokens else 1 for token, _ in vocab])
-    writer.add_bos_token_id(tokenizer.bos_token_id)
-    writer.add_eos_token_id(tokenizer.eos_token_id)
-    writer.add_chat_template(tokenizer.chat_template)
+    add_tokenizer(writer, tokenizer)
 
     def permute(w: np.ndarray, n_head: int) -> np.ndarray:
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -151,7 +158,7 @@ def test_truncated_gguf(tiny_model, tmp_path, cache_home):
     assert "not a readable GGUF" in model_error(resolve_model, bad, progress=False)
     (junk := tmp_path / "junk.gguf").write_bytes(b"hello")
     assert "not a readable GGUF" in model_error(resolve_model, junk, progress=False)
-    assert not any((cache_home / "pagedchat" / "models").iterdir())  # no half folder left behind
+    assert not (cache_home / "pagedchat" / "tokenizers").exists()  # nothing cached of a bad file
 
 
 def test_unsupported_gguf_architecture_is_named(tmp_path):
@@ -247,72 +254,65 @@ def test_every_architecture_checks_and_loads(tiny_models):
         assert tokenizer.decode(tokenizer("héllo")["input_ids"]) == "héllo"
 
 
-def test_gguf_converts_once_into_the_cache(tiny_model, tmp_path, cache_home, capsys, monkeypatch):
+def test_gguf_runs_in_place_with_its_tokenizer_cached(tiny_model, tmp_path, cache_home, capsys, monkeypatch):
     source = write_gguf(tiny_model, tmp_path / "tiny.gguf")
-    converted = resolve_model(source, progress=False)
-    assert converted.parent == cache_home / "pagedchat" / "models" and converted.name.startswith("tiny-")
+    assert resolve_model(source, progress=False) == source  # the file itself: nothing converted
     assert capsys.readouterr().err == ""  # progress=False: silent, transformers' bars included
-    assert "quantization_config" not in json.loads((converted / "config.json").read_text())
-    assert not list(converted.glob("*.bin")) and list(converted.glob("*.safetensors"))
-    assert [p.name for p in converted.parent.iterdir()] == [converted.name]  # no scratch folder left
+    [cached] = (cache_home / "pagedchat" / "tokenizers").iterdir()
+    assert {"config.json", "tokenizer.json"} <= {p.name for p in cached.iterdir()}
+    assert sum(p.stat().st_size for p in cached.iterdir()) < 50 * 2**20
 
-    # The weights survive the trip (llama.cpp's q/k permutation undone), to bf16 precision.
-    original, _ = load_model(tiny_model, torch.float32, torch.device("cpu"))
-    model, tokenizer = load_model(converted, torch.float32, torch.device("cpu"))
-    for (name, want), got in zip(original.state_dict().items(), model.state_dict().values(), strict=True):
-        torch.testing.assert_close(got, want.to(torch.bfloat16).float(), msg=name)
+    forbid_reading_metadata(monkeypatch)
+    assert check_model(source).model_type == "llama"
+    model, tokenizer = load_model(source, torch.float32, torch.device("cpu"))
+    assert isinstance(model, GgufModel) and not model.dequantized
     assert tokenizer.decode(tokenizer("héllo")["input_ids"]) == "héllo"
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
+        AutoTokenizer.from_pretrained(tiny_model).apply_chat_template([{"role": "user", "content": "hi"}],
+                                                                       tokenize=False)
 
-    forbid_reading_gguf(monkeypatch)
-    assert resolve_model(source, progress=False) == converted  # from the cache: the GGUF is not parsed again
-    model, _ = load_model(converted, torch.float32, torch.device("cpu"))  # and the folder loads without it
+    # The F32 file, its q/k rows in llama.cpp's order, runs as the folder it came from does.
+    from pagedchat import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompt = torch.randint(0, 256, (10,), generator=torch.Generator().manual_seed(5)).tolist()
+    outputs = [LLM(model=str(path), dtype="float32", device="cpu", attention_backend="torch", num_kv_blocks=16)
+               .generate([prompt], params)[0].token_ids for path in (source, tiny_model)]
+    assert outputs[0] == outputs[1]
 
 
-def forbid_reading_gguf(monkeypatch) -> None:
-    """From now on in this test, converting or parsing a GGUF fails the test: what is cached must be
-    loaded from its safetensors folder."""
+def forbid_reading_metadata(monkeypatch) -> None:
+    """From now on in this test, reading a GGUF's config or tokenizer through transformers fails the test: they
+    must come from the cache."""
     from transformers import modeling_gguf_pytorch_utils
 
     def forbidden(*args, **kwargs):
-        raise AssertionError("a GGUF was converted or parsed again")
+        raise AssertionError("a GGUF's metadata was read through transformers again")
 
-    monkeypatch.setattr(loader, "_write_converted", forbidden)
     monkeypatch.setattr(gguf, "GGUFReader", forbidden)
     monkeypatch.setattr(modeling_gguf_pytorch_utils, "load_gguf_checkpoint", forbidden)
 
 
-def test_conversion_shows_progress(tiny_model, tmp_path, capsys):
-    resolve_model(write_gguf(tiny_model, tmp_path / "tiny.gguf"), progress=True)
-    err = capsys.readouterr().err
-    assert "Converting tiny.gguf" in err and "Converted in" in err
-    assert "Converting and de-quantizing" not in err  # transformers' own tqdm bar is replaced
-
-
-def test_interrupted_conversion_leaves_nothing(tiny_model, tmp_path, cache_home, monkeypatch):
-    def interrupted(gguf_file, out, progress):
+def test_interrupted_caching_leaves_nothing(tiny_model, tmp_path, cache_home, monkeypatch):
+    def interrupted(path, header, out):
         (out / "config.json").write_text("{}")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loader, "_write_converted", interrupted)
+    monkeypatch.setattr(gguf_loading, "_write_config_and_tokenizer", interrupted)
     with pytest.raises(KeyboardInterrupt):
         resolve_model(write_gguf(tiny_model, tmp_path / "tiny.gguf"), progress=False)
-    assert not any((cache_home / "pagedchat" / "models").iterdir())
+    assert not any((cache_home / "pagedchat" / "tokenizers").iterdir())
 
 
 @pytest.mark.slow
-def test_default_model_converts_and_reloads_from_cache(cache_home, monkeypatch):
+def test_default_model_runs_its_file_in_place(cache_home, monkeypatch):
     if loader._find_default_model() is None:
         pytest.skip(f"{loader.DEFAULT_MODEL_PACKAGE} is not installed")
     path = resolve_model(None, progress=False)
-    assert path.parent == cache_home / "pagedchat" / "models" and list(path.glob("*.safetensors"))
-    config = json.loads((path / "config.json").read_text())
-    assert config["model_type"] == "llama" and "quantization_config" not in config
-
-    forbid_reading_gguf(monkeypatch)
+    assert path == loader._find_default_model()
+    forbid_reading_metadata(monkeypatch)
     assert resolve_model(None, progress=False) == path
     model, tokenizer = load_model(path, torch.float32, torch.device("cpu"))
-
+    assert model.weight_types == ["Q4_1", "Q8_0"] and not model.dequantized
     chat = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")["input_ids"]
-    reply = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
-    assert "Paris" in tokenizer.decode(reply)
+    assert "<|im_start|>assistant" in tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)

@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from pagedchat.engine.layers.linear import CpuLinear, Linear, linear_for
-from pagedchat.kernels import cpu_attention, cpu_gemm, native
+from pagedchat.kernels import cpu_attention, cpu_gemm, native, quant
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_PLAIN_FORMATS = ("F32", "F16", "BF16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +22,9 @@ class KernelPlan:
     linear: Linear  # the product: torch's own (F.linear) or CpuLinear's routes by row count
     attention: str  # what attends the decodes: "cpu_attention", "cpu_attention_bf16", "torch" or "triton"
     problems: tuple[str, ...] = ()  # C kernels this CPU could run that could not be built, with the reason
+    # a GGUF's matrices multiplied where they lie: their formats (e.g. ('Q4_K', 'Q6_K')), most bytes first;
+    # empty for a model of plain `dtype` tensors
+    weight_formats: tuple[str, ...] = ()
 
     @property
     def cpu_linear(self) -> CpuLinear | None:
@@ -28,12 +32,14 @@ class KernelPlan:
 
     def fuses(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether cpu_gemm.c takes this product with the ops on either side of it, in one call."""
-        return self.cpu_linear is not None and self.cpu_linear.uses_gemm(x, weight)
+        return not self.weight_formats and self.cpu_linear is not None and self.cpu_linear.uses_gemm(x, weight)
 
     def native_ops(self, x: torch.Tensor, depth: int) -> bool:
         """Whether the ops around a product that cpu_gemm does not take (cpu_gemm_bf16's or oneDNN's) are the C
         kernels' alone: one call each, where torch's would be up to ten of fixed cost. Not where torch's own
         product is taken (a few rows without cpu_gemm), which torch's ops go around."""
+        if self.weight_formats:
+            return cpu_gemm.kernel() is not None and cpu_gemm.takes(x, depth)
         linear = self.cpu_linear
         return (linear is not None and x.shape[0] > linear.half_rows and cpu_gemm.kernel() is not None
                 and cpu_gemm.takes(x, depth))
@@ -41,16 +47,31 @@ class KernelPlan:
     @property
     def one_row_is_torch_product(self) -> bool:
         """Whether one row is multiplied by torch's own product, as the compiled decode step multiplies it."""
+        if self.weight_formats:
+            return False
         return self.cpu_linear is None or self.cpu_linear.half_rows >= 1
 
     def describe(self) -> str:
-        """One line, e.g. 'bf16 on avx2: 1+ rows cpu_gemm; decode attention cpu_attention'."""
+        """One line, e.g. 'bf16 on avx2: 1+ rows cpu_gemm; decode attention cpu_attention', or for a GGUF's
+        weights 'Q4_K/Q6_K on avx2: quant kernels (8-bit activations); decode attention cpu_attention'."""
+        if self.weight_formats:
+            line = f"{self._quantized_products()}; decode attention {self.attention}"
+            return line + "".join(f"; {problem}" for problem in self.problems)
         isa = ("avx512_bf16" if {"avx512_bf16", "amx_bf16"} & native.cpu_flags() else
                "avx2" if native.AVX2_CPU_FLAGS <= native.cpu_flags() else "no avx2")
         where = isa if self.device.type == "cpu" else self.device.type
         line = f"{_DTYPE_NAMES.get(self.dtype, str(self.dtype))} on {where}: {self._products()}; " \
                f"decode attention {self.attention}"
         return line + "".join(f"; {problem}" for problem in self.problems)
+
+    def _quantized_products(self) -> str:
+        quantized = [name for name in self.weight_formats if name not in _PLAIN_FORMATS]
+        plain = [name for name in self.weight_formats if name in _PLAIN_FORMATS]
+        line = f"{'/'.join(quantized)} on {quant.isa()}: quant kernels (8-bit activations)" if quantized else ""
+        if plain:
+            route = "cpu_gemm" if cpu_gemm.kernel() is not None else "torch's product"
+            line += f"{', ' if line else ''}{'/'.join(plain)} {route}"
+        return line
 
     def _products(self) -> str:
         linear = self.cpu_linear
@@ -74,8 +95,10 @@ class KernelPlan:
         return ", ".join(parts)
 
 
-def plan_for(dtype: torch.dtype, device: torch.device, attention_backend: str) -> KernelPlan:
-    """The plan for a model of this dtype on this device, whose attention backend is "torch" or "triton"."""
+def plan_for(dtype: torch.dtype, device: torch.device, attention_backend: str,
+             weight_formats: tuple[str, ...] = ()) -> KernelPlan:
+    """The plan for a model of this dtype on this device, whose attention backend is "torch" or "triton"; with
+    `weight_formats`, of a GGUF's matrices multiplied where they lie (`ColumnProduct`), in those formats."""
     problems = tuple(f"{name} not built ({reason}): torch stands in" for name, isa in _C_FILES
                      if device.type == "cpu" and (reason := native.problem(name, isa)))
     linear = linear_for(dtype, device)
@@ -83,7 +106,7 @@ def plan_for(dtype: torch.dtype, device: torch.device, attention_backend: str) -
         attention = attention_backend
     else:
         attention = (cpu_attention.name(dtype) if device.type == "cpu" else None) or "torch"
-    return KernelPlan(dtype, device, linear, attention, problems)
+    return KernelPlan(dtype, device, linear, attention, problems, tuple(weight_formats))
 
 
 _C_FILES = (("cpu_gemm.c", "avx2"), ("cpu_attention.c", "avx2"), ("cpu_gemm_bf16.c", "avx512_bf16"),

@@ -1,4 +1,5 @@
-"""Find, check and load a model: a Hugging Face folder, a .gguf file (converted once), or the default model.
+"""Find, check and load a model: a Hugging Face folder, a .gguf file (used as it is: loading/gguf.py), or the
+default model.
 
 Every problem a user can cause (a wrong path, a file that is not a model, an architecture we do not run,
 no network for the default model) surfaces as a `ModelError` whose message is one line to show as is.
@@ -7,28 +8,23 @@ no network for the default model) surfaces as a `ModelError` whose message is on
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib
 import importlib.util
 import json
 import os
-import shutil
 import struct
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
-from unittest import mock
 
-import platformdirs
 import torch
 
 from pagedchat.engine import models
 from pagedchat.engine.api.errors import one_line
+from pagedchat.engine.loading import gguf
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -52,10 +48,9 @@ _PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 
 
 def resolve_model(model: str | os.PathLike | None, *, progress: bool = True) -> Path:
-    """The Hugging Face folder to load for `model` (None: the default model), checked by `check_model`."""
+    """The Hugging Face folder or .gguf file to load for `model` (None: the default model), checked by
+    `check_model`. A GGUF's config and tokenizer are read from its metadata here, once per file (cached)."""
     path = default_model_file(progress=progress) if model is None else Path(model).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        path = _convert_gguf(path, progress=progress)
     check_model(path)
     return path
 
@@ -87,106 +82,6 @@ def _find_default_model() -> Path | None:
     return None
 
 
-# --- GGUF: converted once into a safetensors folder in the user cache -------------------------------
-
-
-def model_cache_dir() -> Path:
-    return platformdirs.user_cache_path("pagedchat", appauthor=False) / "models"  # honours XDG_CACHE_HOME
-
-
-def _convert_gguf(gguf_file: Path, *, progress: bool) -> Path:
-    """The cached conversion of `gguf_file`, made now if missing: loading a GGUF takes ~15-30 s, the
-    converted folder ~1.5 s. The key covers path, size and mtime, so an edited file converts again."""
-    gguf_file = gguf_file.resolve()
-    stat = gguf_file.stat()
-    key = hashlib.sha256(f"{gguf_file}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = model_cache_dir() / f"{gguf_file.stem}-{key}"
-    if target.is_dir():  # only ever created by the rename below, so it is complete
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Written beside the target and renamed into place, so an interrupted run leaves no half folder.
-    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        _write_converted(gguf_file, scratch, progress=progress)
-        try:
-            scratch.rename(target)
-        except OSError:  # another process finished the same conversion first
-            if not target.is_dir():
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return target
-
-
-def _write_converted(gguf_file: Path, out: Path, *, progress: bool) -> None:
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers import modeling_gguf_pytorch_utils as gguf_loading
-
-    display = Progress(SpinnerColumn(finished_text="[green]✓"), TextColumn("{task.description}"), BarColumn(),
-                       TimeElapsedColumn(), console=Console(stderr=True), transient=True, disable=not progress)
-    steps: list = []
-
-    def step(text: str | None) -> None:
-        if steps:
-            display.update(steps[-1], total=1, completed=1)
-        if text:
-            steps.append(display.add_task(f"{text:<24}", total=None))
-
-    def track(tensors, **_):  # stands in for transformers' own tqdm bar over the GGUF tensors
-        yield from display.track(tensors, task_id=steps[-1])
-
-    started = time.monotonic()
-    folder, name = str(gguf_file.parent), gguf_file.name
-    if progress:
-        display.console.print(f"Converting {name} to safetensors once, into {model_cache_dir()}")
-    with display, _quiet_transformers(), _read_gguf_once():
-        step("reading the GGUF")
-        try:
-            model_type = gguf_loading.load_gguf_checkpoint(str(gguf_file))["config"]["model_type"]
-        except Exception as error:  # gguf reports a bad file as IndexError, ValueError, ...
-            raise ModelError(f"{gguf_file} is not a readable GGUF file (truncated or corrupt?): "
-                             f"{one_line(error)}") from error
-        _check_architecture(model_type, gguf_file)
-        try:
-            step("tokenizer")
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-            step("weights (dequantizing)")
-            with mock.patch.object(gguf_loading, "tqdm", track, create=True):
-                # bf16, the dtype such models are trained and published in: half the disk of fp32, and its
-                # rounding is far below the 4-8 bit quantization steps the weights come from.
-                model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
-            step("saving")
-            # The GGUF quantizer marks the model as quantized, which save_pretrained refuses; the weights
-            # are already dequantized to plain tensors, so the marker is all there is to drop.
-            model.hf_quantizer = None
-            vars(model.config).pop("quantization_config", None)
-            model.save_pretrained(out)
-            tokenizer.save_pretrained(out)
-        except Exception as error:  # an unexpected tokenizer or tensor layout, a full disk, ...
-            raise ModelError(f"could not convert {gguf_file}: {one_line(error)}") from error
-        step(None)
-    if progress:
-        display.console.print(f"Converted in {time.monotonic() - started:.0f} s")
-
-
-@contextmanager
-def _read_gguf_once() -> Iterator[None]:
-    """transformers parses the whole GGUF header again for the config, the tokenizer and the weights, and
-    rebuilds gguf's tensor-name table for every submodule: about half of a conversion. Memoize both."""
-    import gguf
-
-    cached_reader = functools.cache(gguf.GGUFReader)
-
-    def reader(path, mode="r"):  # callers name the same file as str or Path, relative or not
-        return cached_reader(str(Path(path).resolve()), mode)
-
-    with mock.patch.object(gguf, "GGUFReader", reader), \
-            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
-        yield
-
-
 @contextmanager
 def _quiet_transformers() -> Iterator[None]:
     """No progress bars or advice from transformers while we load (errors still raise)."""
@@ -207,10 +102,16 @@ def _quiet_transformers() -> Iterator[None]:
 
 
 def check_model(path: Path, max_model_len: int | None = None) -> PretrainedConfig:
-    """The folder's config, after checking all that can be checked without loading the weights."""
+    """The model's config, after checking all that can be checked without loading the weights."""
     path = Path(path)
     if not path.exists():
         raise ModelError(f"model not found: {path}")
+    if is_gguf(path):
+        config = _gguf_config(path)
+        if problem := models.config_problem(config):
+            raise ModelError(f"{path}: {problem}")
+        model_context_len(config, max_model_len)
+        return config
     if path.is_file():
         raise ModelError(f"{path} is not a model: pass a Hugging Face model folder or a .gguf file")
     config_file = path / "config.json"
@@ -236,6 +137,24 @@ def check_model(path: Path, max_model_len: int | None = None) -> PretrainedConfi
     _check_weights(path)
     model_context_len(config, max_model_len)
     return config
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == ".gguf"
+
+
+def _gguf_config(path: Path) -> PretrainedConfig:
+    try:
+        header = gguf.read_header(path)
+    except gguf.GgufError as error:
+        raise ModelError(f"{path} is not a readable GGUF file (truncated or corrupt?): {one_line(error)}") from error
+    if gguf.model_type(header) is None:
+        raise ModelError(f"{path}: unsupported architecture {header.architecture!r}; supported: "
+                         f"{', '.join(sorted(set(gguf.ARCHITECTURES)))}")
+    try:
+        return gguf.read_config(path, header)
+    except gguf.GgufError as error:
+        raise ModelError(f"{path}: {one_line(error)}") from error
 
 
 def _check_architecture(model_type: str | None, where: Path) -> None:
@@ -360,8 +279,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device
-               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+               ) -> tuple[PreTrainedModel | gguf.GgufModel, PreTrainedTokenizerBase]:
+    """A folder's transformers model in `dtype` on `device`, or a GGUF's tensors where they lie
+    (`gguf.open_model`: their own formats, computed in fp32 on a CPU), with the tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if is_gguf(path):
+        try:
+            return gguf.open_model(path, dtype, device)
+        except gguf.GgufError as error:
+            raise ModelError(f"could not load {path}: {one_line(error)}") from error
 
     try:
         with _quiet_transformers():

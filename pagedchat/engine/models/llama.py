@@ -1,5 +1,5 @@
 """pagedchat's own forward for Llama and the families that share its layer (Mistral, Qwen2; Qwen3 in qwen3.py),
-on the weights transformers loaded.
+on the weights transformers loaded or on a GGUF file's tensors where they lie.
 
 The stock transformers modules spend a CPU step in Python and in small ops (one chat's bf16 decode
 step of the default model made 10,073 torch calls); this forward does the same arithmetic in fewer,
@@ -8,9 +8,11 @@ tensor and transformers' modules keep views of it, so nothing is held twice), ro
 computed once by the model's own rotary module (so every rope scaling of fixed frequencies is exact),
 q and k are rotated together, and the vocabulary projection runs only on the rows that are sampled.
 Norms, rotary and the MLP's activation are transformers' formulas, so greedy fp32 output equals HF
-`generate` token for token.
+`generate` token for token. On a GGUF's quantized matrices the products are cpu_quant.c's (8-bit activations)
+and the model computes in fp32 (loading/gguf.py says why).
 """
 
+import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -20,51 +22,104 @@ from torch import nn
 
 from pagedchat.engine.layers.ops import LayerOps
 from pagedchat.engine.layers.plan import KernelPlan, torch_plan
+from pagedchat.engine.layers.quantized import ColumnProduct, QuantizedWeight
+from pagedchat.engine.loading import gguf
+from pagedchat.engine.loading.gguf import GgufModel
 from pagedchat.kernels import AttentionMetadata, torch_ops
 
+Weight = torch.Tensor | ColumnProduct
 
 
 @dataclass(slots=True)
 class LeanLayer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]
+    qkv: Weight  # [(Hq + 2 Hkv) * D, hidden]
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None  # Qwen3: RMSNorm over each head before rotary (qwen3.py)
     k_norm: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: Weight
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up: Weight  # [2 * intermediate, hidden]
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
+    down: Weight
     down_bias: torch.Tensor | None
 
 
 class LlamaModel:
-    """Runs a loaded transformers causal LM on one packed step with paged KV; see the module's docstring. The
-    model's config was checked by `models.check_config` before it loaded."""
+    """Runs a causal LM on one packed step with paged KV; see the module's docstring. Built from a loaded
+    transformers model (`from_transformers`) or from a GGUF file's tensors (`from_gguf`); the model's config
+    was checked by `models.config_problem` before it loaded."""
 
-    def __init__(self, model: nn.Module, max_positions: int, plan: KernelPlan):
-        config = model.config
-        base = model.model
-        attn = base.layers[0].self_attn
+    def __init__(self, config, embed: Weight, final_norm: torch.Tensor, lm_head: Weight, layers: list[LeanLayer],
+                 rotary: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype, plan: KernelPlan):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = attn.head_dim
-        self.scale = attn.scaling
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scale = self.head_dim ** -0.5
         self.eps = config.rms_norm_eps
-        self.embed = base.embed_tokens.weight
-        self.final_norm = base.norm.weight
-        self.lm_head = model.lm_head.weight
-        self.layers = [_fuse_layer(layer) for layer in base.layers]
+        self.dtype = dtype
+        self.embed = embed
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.layers = layers
         self.ops = LayerOps(plan)
         self.torch_ops = LayerOps(torch_plan(plan.dtype, plan.device))
-        positions = torch.arange(max_positions, device=self.embed.device)[None]
-        cos, sin = base.rotary_emb(self.embed[:1], positions)  # [1, P, D] in the model's dtype
+        cos, sin = rotary  # [P, D]
         half = self.head_dim // 2
-        self.cos = cos[0]
+        self.cos = cos
         # for layers.rotary.rotate
-        self.sin_signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+        self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+
+    @classmethod
+    def from_transformers(cls, model: nn.Module, max_positions: int, plan: KernelPlan) -> "LlamaModel":
+        base = model.model
+        embed = base.embed_tokens.weight
+        positions = torch.arange(max_positions, device=embed.device)[None]
+        cos, sin = base.rotary_emb(embed[:1], positions)  # [1, P, D] in the model's dtype
+        return cls(model.config, embed, base.norm.weight, model.lm_head.weight,
+                   [_fuse_layer(layer) for layer in base.layers], (cos[0], sin[0]), embed.dtype, plan)
+
+    @classmethod
+    def from_gguf(cls, model: GgufModel, max_positions: int, plan: KernelPlan) -> "LlamaModel":
+        """On a GGUF's tensors as `loading.gguf.open_model` holds them: in place, sibling products write into
+        columns of one output (`ColumnProduct`); else plain tensors, fused as a transformers model's are.
+        llama.cpp's order of q/k rows (`gguf.PERMUTED_QK`) is read back from the product's output."""
+        config, tensors = model.config, model.tensors
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        order = None
+        if model.permuted_qk:
+            order = torch.cat([gguf.qk_order(heads, head_dim), heads * head_dim + gguf.qk_order(kv_heads, head_dim),
+                               torch.arange((heads + kv_heads) * head_dim, (heads + 2 * kv_heads) * head_dim)])
+
+        def matrix(*names: str, columns: torch.Tensor | None = None) -> Weight:
+            parts = tuple(tensors[name] for name in names)
+            if model.in_place:
+                return ColumnProduct(parts, columns)
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        def vector(*names: str, columns: torch.Tensor | None = None) -> torch.Tensor | None:
+            if any(name not in tensors for name in names):
+                return None
+            joined = torch.cat([tensors[name] for name in names])
+            return joined if columns is None else joined[columns]
+
+        layers = []
+        for i in range(config.num_hidden_layers):
+            b = f"blk.{i}."
+            qkv = [b + "attn_q.", b + "attn_k.", b + "attn_v."]
+            layers.append(LeanLayer(
+                tensors[b + "attn_norm.weight"], matrix(*(n + "weight" for n in qkv), columns=order),
+                vector(*(n + "bias" for n in qkv), columns=order),
+                tensors.get(b + "attn_q_norm.weight"), tensors.get(b + "attn_k_norm.weight"),
+                matrix(b + "attn_output.weight"), vector(b + "attn_output.bias"), tensors[b + "ffn_norm.weight"],
+                matrix(b + "ffn_gate.weight", b + "ffn_up.weight"), None, matrix(b + "ffn_down.weight"), None,
+            ))
+        embed = tensors["token_embd.weight"]
+        lm_head = matrix("output.weight" if "output.weight" in tensors else "token_embd.weight")
+        return cls(config, embed, tensors["output_norm.weight"], lm_head, layers,
+                   _rotary_tables(config, max_positions, model, tensors.get("rope_freqs.weight")), model.dtype, plan)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor,
@@ -72,7 +127,7 @@ class LlamaModel:
                 attention_ops: ModuleType) -> torch.Tensor:
         """Logits [len(sample_rows), vocab] for the packed tokens, writing their K/V into the caches."""
         cos, sin = self.cos[positions], self.sin_signed[positions]
-        residual = F.embedding(input_ids, self.embed)
+        residual = self.embedding(input_ids)
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
             q, k, v = self.attention_inputs(residual, cos, sin, layer, self.ops)
             o = attention_ops.attention(q, k, v, key_cache, value_cache, metadata, self.scale)
@@ -93,6 +148,11 @@ class LlamaModel:
                                            self.scale)
             residual = self.mlp(o, residual, layer, self.torch_ops)
         return self.logits(residual, self.torch_ops)
+
+    def embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, QuantizedWeight):
+            return self.embed.rows(input_ids)
+        return F.embedding(input_ids, self.embed).to(self.dtype)  # a GGUF's F16 table in an fp32 model
 
     def logits(self, residual: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         return ops.norm_matmul(residual, self.final_norm, self.eps, self.lm_head, None)
@@ -145,3 +205,20 @@ def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
             m.bias = nn.Parameter(bias[start:start + rows], requires_grad=False)
         start += rows
     return weight, bias
+
+
+def _rotary_tables(config, max_positions: int, model: GgufModel, freq_factors: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [P, D] from the family's own transformers rotary module, built from the config alone (no
+    model). A llama.cpp file of Llama 3 carries its rope scaling as a tensor of factors that divide the
+    frequencies (`rope_freqs`), as llama.cpp applies them, rather than in its metadata."""
+    from pagedchat.engine.models import REGISTRY  # the registry imports this module
+
+    family = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    architecture = REGISTRY[config.model_type][0]
+    rotary = getattr(family, architecture.removesuffix("ForCausalLM") + "RotaryEmbedding")(config)
+    if freq_factors is not None:
+        rotary.inv_freq = rotary.inv_freq / freq_factors.float()
+    positions = torch.arange(max_positions)[None]
+    cos, sin = rotary(torch.zeros(1, dtype=model.dtype), positions)
+    return cos[0].to(model.device), sin[0].to(model.device)

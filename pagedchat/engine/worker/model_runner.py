@@ -7,6 +7,7 @@ from transformers import PreTrainedModel
 from pagedchat.engine.worker.compiled_decode import CompiledDecode
 from pagedchat.engine import models
 from pagedchat.engine.layers.plan import plan_for
+from pagedchat.engine.loading.gguf import GgufModel
 from pagedchat.engine.core.scheduler import ScheduledSeq
 from pagedchat.kernels import AttentionMetadata, torch_ops
 
@@ -29,12 +30,18 @@ class KVLayout:
 class ModelRunner:
     """Runs one packed step of all scheduled tokens through the lean forward, with paged KV."""
 
-    def __init__(self, model: PreTrainedModel, num_blocks: int, block_size: int, attention_ops: ModuleType,
+    def __init__(self, model: PreTrainedModel | GgufModel, num_blocks: int, block_size: int, attention_ops: ModuleType,
                  max_model_len: int, compile: bool = False):
         self.model = model
         backend = attention_ops.__name__.rpartition(".")[2].removesuffix("_ops")
-        self.plan = plan_for(model.dtype, model.device, backend)
-        self.lean = models.forward_for(model.config.model_type)(model, max_model_len, self.plan)
+        forward = models.forward_for(model.config.model_type)
+        if isinstance(model, GgufModel):
+            formats = tuple(model.weight_types) if model.in_place else ()
+            self.plan = plan_for(model.dtype, model.device, backend, formats)
+            self.lean = forward.from_gguf(model, max_model_len, self.plan)
+        else:
+            self.plan = plan_for(model.dtype, model.device, backend)
+            self.lean = forward.from_transformers(model, max_model_len, self.plan)
         self.block_size = block_size
         self.attention_ops = attention_ops
         self.device = model.device

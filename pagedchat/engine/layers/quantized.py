@@ -1,0 +1,62 @@
+"""Weights as a GGUF file holds them: a quantized matrix is its rows of blocks where the file lies (mapped), and
+the products of sibling matrices (q/k/v, gate/up) write into column slices of one output instead of being fused
+by concatenating their weights, which would copy them."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedchat.kernels import cpu_gemm, quant
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedWeight:
+    """A matrix of shape (N, K) held as `data`, uint8 [N, row bytes] of `ggml_type`'s blocks (a view of the
+    file's mapping)."""
+
+    data: torch.Tensor
+    ggml_type: int
+    shape: tuple[int, int]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 [len(ids), K]: an embedding lookup."""
+        return quant.dequantize_rows(self.data, self.ggml_type, self.shape[1], ids)
+
+
+Matrix = QuantizedWeight | torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class ColumnProduct:
+    """x @ [W_0; W_1; ...]^T in fp32 without concatenating the W_i: each product fills its own columns.
+    `order`, where given, is the output's column order (a permutation read back after the products)."""
+
+    parts: tuple[Matrix, ...]
+    order: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(part.shape[0] for part in self.parts), self.parts[0].shape[1]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.shape[0], dtype=torch.float32)
+        start = 0
+        for part in self.parts:
+            end = start + part.shape[0]
+            if isinstance(part, QuantizedWeight):
+                quant.linear(x, part.data, part.ggml_type, part.shape[1], out=out[:, start:end])
+            else:
+                out[:, start:end] = _plain_product(x, part)
+            start = end
+        if self.order is not None:
+            out = out[:, self.order]
+        return out
+
+
+def _plain_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T of a plain (F32/F16/BF16) matrix of the file, on the weight as it is: cpu_gemm widens it in
+    registers; torch, where cpu_gemm is not built, multiplies in the weight's dtype."""
+    if cpu_gemm.kernel() is not None and cpu_gemm.supports(x, weight):
+        return cpu_gemm.linear(x, weight)
+    return F.linear(x.to(weight.dtype), weight)

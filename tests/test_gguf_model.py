@@ -1,0 +1,258 @@
+"""A GGUF run in place: a tiny Llama whose tensors are of every type the kernels take (and one they do not),
+against transformers' own dequantized load of the same file in fp32."""
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from transformers import AutoModelForCausalLM
+
+from pagedchat import LLM, SamplingParams
+from pagedchat.engine.layers.quantized import ColumnProduct, QuantizedWeight
+from pagedchat.engine.loading import gguf as gguf_loading
+from pagedchat.engine.loading import loader
+from pagedchat.kernels import AttentionMetadata, quant, torch_ops
+from conftest import byte_tokenizer
+from test_loader import add_tokenizer
+
+pytestmark = pytest.mark.skipif(quant.isa() is None, reason="cpu_quant.c could not be built here")
+
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 512, 4, 2, 64, 2
+# a Q4_K_M-like mix, an F16 matrix, and Q5_0, which the kernels do not take (dequantized at load)
+TYPES = {
+    "token_embd": T.Q8_0, "output": T.Q4_K,
+    "attn_q": T.Q4_K, "attn_k": T.Q5_K, "attn_v": T.Q6_K, "attn_output": T.Q8_0,
+    "ffn_gate": T.Q4_0, "ffn_up": T.Q4_1, "ffn_down": T.Q6_K,
+}
+LAST_LAYER_TYPES = {"attn_output": T.F16, "ffn_down": T.Q5_0}
+# The logits' error, relative to their norm, at the worst position: against the reference that rounds its
+# activations as the kernels do, what fp32 sums in another order leave (measured ~6e-7); against plain fp32
+# activations, what the 8-bit rounding makes of two layers and the head (measured 0.04-0.06, the rounding
+# reference's own distance from fp32 to three digits).
+ROUNDED_RELATIVE = 1e-4
+EXACT_RELATIVE = 0.1
+# where the engine's greedy token is not the reference's top one, the reference holds it this close (logits)
+NEAR_TIE = 0.5
+
+
+def random_blocks(rng: np.random.Generator, ggml_type: T, rows: int, depth: int) -> np.ndarray:
+    """uint8 [rows, row bytes] of valid K-quant blocks: random bytes for the values and sub-block scales, fp16
+    d small enough that the weights are of a real model's size, and dmin such that they centre on zero as a
+    real model's do (else every product sums coherently and the model's attention is a saturated softmax
+    that any rounding flips)."""
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    raw = rng.integers(0, 256, size=(rows, depth // block, size), dtype=np.uint8)
+    d = rng.uniform(5e-5, 2e-4, size=raw.shape[:2])
+
+    def put(offset: int, values: np.ndarray) -> None:
+        raw[..., offset:offset + 2] = values.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+
+    if ggml_type == T.Q6_K:  # d * scale * (q - 32): centred already
+        put(size - 2, d / 10)
+    else:  # d * scale * q - dmin * m, q up to 15 (Q4_K) or 31 (Q5_K), scale and m alike
+        put(0, d)
+        put(2, d * (7.5 if ggml_type == T.Q4_K else 15.5))
+    return raw.reshape(rows, -1)
+
+
+def tensor_for(rng: np.random.Generator, ggml_type: T, rows: int, depth: int) -> np.ndarray:
+    if GGML_QUANT_SIZES[ggml_type][0] == 256:
+        return random_blocks(rng, ggml_type, rows, depth)
+    values = rng.normal(0, 0.08, size=(rows, depth)).astype(np.float32)
+    return gguf.quants.quantize(values, ggml_type)
+
+
+def write_tiny_gguf(out: Path, seed: int) -> Path:
+    """A llama.cpp-style Llama file: its q/k rows are simply the file's (random) bytes, which transformers
+    un-permutes on its load as it does any llama.cpp file's."""
+    rng = np.random.default_rng(seed)
+    tokenizer = byte_tokenizer()
+    vocab = len(tokenizer)
+    writer = gguf.GGUFWriter(out, "llama")
+    writer.add_name("tiny")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTERMEDIATE)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    add_tokenizer(writer, tokenizer)
+
+    def add(name: str, ggml_type: T, rows: int, depth: int) -> None:
+        data = tensor_for(rng, ggml_type, rows, depth)
+        writer.add_tensor(name, data, raw_dtype=None if ggml_type in (T.F32, T.F16) else ggml_type)
+
+    def norm(name: str) -> None:
+        writer.add_tensor(name, rng.uniform(0.8, 1.2, size=HIDDEN).astype(np.float32))
+
+    add("token_embd.weight", TYPES["token_embd"], vocab, HIDDEN)
+    add("output.weight", TYPES["output"], vocab, HIDDEN)
+    norm("output_norm.weight")
+    shapes = {"attn_q": (HEADS * HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
+              "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HEADS * HEAD_DIM),
+              "ffn_gate": (INTERMEDIATE, HIDDEN), "ffn_up": (INTERMEDIATE, HIDDEN), "ffn_down": (HIDDEN, INTERMEDIATE)}
+    for i in range(LAYERS):
+        types = TYPES | (LAST_LAYER_TYPES if i == LAYERS - 1 else {})
+        norm(f"blk.{i}.attn_norm.weight")
+        norm(f"blk.{i}.ffn_norm.weight")
+        for name, (rows, depth) in shapes.items():
+            add(f"blk.{i}.{name}.weight", types[name], rows, depth)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(params=[0, 1])
+def tiny_gguf(request, tmp_path) -> Path:
+    return write_tiny_gguf(tmp_path / "tiny.Q4_K_M.gguf", seed=request.param)
+
+
+def reference(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def engine_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """The engine's logits at every position of `ids`, teacher-forced in one prefill."""
+    runner = llm.engine.runner
+    block_size = runner.block_size
+    table = list(range(-(-len(ids) // block_size)))
+    metadata = AttentionMetadata.build([table], [len(ids)], [len(ids)], list(range(len(ids))))
+    positions = torch.arange(len(ids))
+    return runner.lean.forward(torch.tensor(ids), positions, positions, runner.kv_caches, metadata, torch_ops)
+
+
+def make_llm(path: Path) -> LLM:
+    return LLM(model=str(path), dtype="float32", device="cpu", attention_backend="torch", num_kv_blocks=32)
+
+
+def with_8bit_activations(model: torch.nn.Module, path: Path) -> torch.nn.Module:
+    """The reference with llama.cpp's rounding of activations simulated: the input of each product rounded per
+    block (of its weight type's block: 32, or 256 for K-quants) to amax / 127 steps, and the matrix the
+    engine holds as a bf16 copy rounded to bf16; everything else stays transformers' fp32."""
+    header = gguf_loading.read_header(path)
+    for module_name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        kind = header.tensors[gguf_name(module_name, header.tensors)].ggml_type
+        if kind not in quant.TYPES:
+            if kind not in (T.F32, T.F16):
+                module.weight.data = module.weight.data.bfloat16().float()
+            continue
+        block = GGML_QUANT_SIZES[T(kind)][0]
+
+        def round_input(_, args, block=block):
+            x = args[0]
+            blocks = x.reshape(*x.shape[:-1], -1, block)
+            step = blocks.abs().amax(-1, keepdim=True) / 127
+            rounded = torch.where(step > 0, torch.round(blocks / torch.where(step > 0, step, 1)) * step, 0)
+            return (rounded.reshape(x.shape),)
+
+        module.register_forward_pre_hook(round_input)
+    return model
+
+
+def gguf_name(module_name: str, tensors: dict) -> str:
+    if module_name == "lm_head":
+        return "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    _, _, layer, _, linear = module_name.split(".")
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    return f"blk.{layer}.{names[linear]}.weight"
+
+
+def test_logits_match_the_dequantized_model(tiny_gguf):
+    llm = make_llm(tiny_gguf)
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    got = engine_logits(llm, ids)
+    with torch.no_grad():
+        exact = reference(tiny_gguf)(torch.tensor([ids])).logits[0]
+        rounded = with_8bit_activations(reference(tiny_gguf), tiny_gguf)(torch.tensor([ids])).logits[0]
+
+    def error(want: torch.Tensor) -> float:
+        return ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+
+    cosine = torch.nn.functional.cosine_similarity(got, exact, dim=-1)
+    top1 = (got.argmax(-1) == exact.argmax(-1)).float().mean().item()
+    print(f"against fp32 activations: relative error {error(exact):.4f} (the rounded reference's own "
+          f"{((rounded - exact).norm(dim=-1) / exact.norm(dim=-1)).max():.4f}), cosine min {cosine.min():.6f}, "
+          f"top-1 agreement {top1:.3f}; against rounded activations: {error(rounded):.2e}")
+    assert error(rounded) < ROUNDED_RELATIVE
+    assert error(exact) < EXACT_RELATIVE
+    assert cosine.min() > 0.998 and top1 >= 0.85
+
+
+def test_greedy_tokens_are_the_reference_choices(tiny_gguf):
+    """Each greedy token the engine picks is the reference's top one on the same prefix, or within a near
+    tie of it (8-bit activations may break a tie the other way)."""
+    llm = make_llm(tiny_gguf)
+    prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    tokens = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].token_ids
+    with torch.no_grad():
+        logits = reference(tiny_gguf)(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    best = logits.max(dim=-1).values
+    chosen = logits[torch.arange(len(tokens)), torch.tensor(tokens)]
+    assert (best - chosen <= NEAR_TIE).all(), (best - chosen).tolist()
+    assert (best == chosen).float().mean() >= 0.75
+
+
+def test_weights_stay_in_the_file(tiny_gguf):
+    """Loading adds no copy of the quantized tensors: each lies in the file's own mapping."""
+    model, _ = loader.load_model(tiny_gguf, torch.float32, torch.device("cpu"))
+    mapped = [tuple(int(a, 16) for a in line.split()[0].split("-"))
+              for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(str(tiny_gguf))]
+    assert mapped
+    quantized = [t for t in model.tensors.values() if isinstance(t, QuantizedWeight)]
+    assert len(quantized) == 2 + LAYERS * 7 - 2  # all but the F16 and the Q5_0 matrix
+    for tensor in quantized + [model.tensors[f"blk.{LAYERS - 1}.attn_output.weight"]]:
+        data = tensor.data if isinstance(tensor, QuantizedWeight) else tensor
+        start, end = data.data_ptr(), data.data_ptr() + data.numel() * data.element_size()
+        assert any(low <= start and end <= high for low, high in mapped)
+
+
+def test_the_types_the_kernels_do_not_take_are_dequantized_and_said(tiny_gguf):
+    model, _ = loader.load_model(tiny_gguf, torch.float32, torch.device("cpu"))
+    name = f"blk.{LAYERS - 1}.ffn_down.weight"
+    [entry] = model.dequantized
+    assert (entry.name, entry.ggml_type) == (name, "Q5_0")
+    assert entry.bytes == HIDDEN * INTERMEDIATE * 2  # bf16
+    assert model.tensors[name].dtype == torch.bfloat16
+    header = gguf.GGUFReader(tiny_gguf)
+    assert gguf_loading.gguf_weights_bytes(tiny_gguf) == sum(int(t.n_bytes) for t in header.tensors) + entry.bytes
+    line = make_llm(tiny_gguf).engine.runner.plan.describe()
+    quantized, rest = line.split(f" on {quant.isa()}: quant kernels (8-bit activations), ")
+    assert set(quantized.split("/")) == {"Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1"}
+    assert set(rest.split(" ")[0].split("/")) == {"BF16", "F16"} and "; decode attention " in rest
+
+
+def test_sibling_products_are_not_concatenated(tiny_gguf):
+    llm = make_llm(tiny_gguf)
+    layer = llm.engine.runner.lean.layers[0]
+    assert isinstance(layer.qkv, ColumnProduct) and len(layer.qkv.parts) == 3
+    assert isinstance(layer.gate_up, ColumnProduct) and len(layer.gate_up.parts) == 2
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch.float32
+
+
+def test_the_header_is_read_as_gguf_reads_it(tiny_gguf):
+    header = gguf_loading.read_header(tiny_gguf)
+    reference_reader = gguf.GGUFReader(tiny_gguf)
+    assert list(header.tensors) == [t.name for t in reference_reader.tensors]
+    for tensor in reference_reader.tensors:
+        info = header.tensors[tensor.name]
+        assert (info.offset, info.nbytes, info.ggml_type) == (tensor.data_offset, tensor.n_bytes, tensor.tensor_type)
+        assert info.shape == tuple(reversed(tensor.shape.tolist()))
+    assert header.metadata["llama.attention.head_count"] == HEADS
+    assert header.metadata["tokenizer.ggml.tokens"] == len(byte_tokenizer())  # an array is its length
