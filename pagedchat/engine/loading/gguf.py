@@ -291,14 +291,25 @@ class GgufModel:
 _FORMAT_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
+def runs_in_place(device: torch.device) -> bool:
+    """Whether a GGUF's quantized tensors are multiplied where they lie on this device (else dequantized)."""
+    return device.type == "cpu" and quant.isa() is not None
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of a GGUF model's activations and KV cache when `dtype` is asked for: fp32 where it runs in
+    place, since its activations are a few rows of the hidden size, its KV cache small beside a real model's
+    weights, and the kernels' products come out in fp32, which a half-precision stream would round once more."""
+    return torch.float32 if runs_in_place(device) else dtype
+
+
 def open_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[GgufModel, PreTrainedTokenizerBase]:
     """The file's tensors over a memory map, with its config and tokenizer.
 
-    On a CPU where cpu_quant.c is built, every tensor of `quant.TYPES` stays the file's bytes and the model
-    computes in fp32: its activations are a few rows of the hidden size, its KV cache small beside a
-    real model's weights, and the kernels' products come out in fp32, which a half-precision stream would
-    round once more. Tensors of other types are dequantized once to bf16 (`GgufModel.dequantized` lists
-    them). Elsewhere (a GPU, no C compiler) every tensor is dequantized to `dtype` on `device`."""
+    Where it runs in place (`runs_in_place`), every tensor of `quant.TYPES` stays the file's bytes, in a model
+    that computes in `compute_dtype`; tensors of other types are dequantized once to bf16
+    (`GgufModel.dequantized` lists them). Elsewhere (a GPU, no C compiler) every tensor is dequantized to
+    `dtype` on `device`."""
     from transformers import GenerationConfig
 
     header = read_header(path)
@@ -310,7 +321,7 @@ def open_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Gg
     eos |= {header.metadata[key] for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
             if key in header.metadata}
     generation.eos_token_id = sorted(eos)
-    in_place = device.type == "cpu" and quant.isa() is not None
+    in_place = runs_in_place(device)
     permuted = header.architecture in PERMUTED_QK
     file = np.memmap(path, dtype=np.uint8, mode="c")  # private pages: writable for torch, never written
     tensors: dict[str, Matrix] = {}
@@ -334,7 +345,7 @@ def open_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Gg
             else:
                 tensor = tensor.to(device=device, dtype=dtype)
             tensors[info.name] = tensor
-    model = GgufModel(Path(path), config, generation, torch.float32 if in_place else dtype, device, tensors,
+    model = GgufModel(Path(path), config, generation, compute_dtype(dtype, device), device, tensors,
                       in_place, permuted and in_place, dequantized)
     return model, tokenizer
 
