@@ -129,10 +129,10 @@ def run_settings(model: str | None, dtype: str, names: list[str], seeds: list[in
     than one of 20. Each request has its own seed and penalties; its logits still move with the batch by
     rounding (bf16), so a sampled reply can part from the same request's in another batch after a while.
     The pool holds them all at once: nothing is preempted."""
-    from pagedchat.engine.loading.loader import resolve_model
+    from pagedchat.engine.loading.loader import metadata_folder, resolve_model
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
+    tokenizer = AutoTokenizer.from_pretrained(metadata_folder(resolve_model(model)))
     prompts, params = requests(tokenizer, names, seeds)
     block = 16
     blocks = sum(-(-(len(p) + MAX_TOKENS) // block) for p in prompts) + 16

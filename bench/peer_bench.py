@@ -316,8 +316,8 @@ def main(argv: list[str] | None = None) -> None:
     args.load_at_start = load_average()
     started, ticks_at_start = time.perf_counter(), cpu_ticks()
     model_path = loader.resolve_model(None)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    vocab = AutoConfig.from_pretrained(model_path).vocab_size
+    tokenizer = AutoTokenizer.from_pretrained(loader.metadata_folder(model_path))
+    vocab = AutoConfig.from_pretrained(loader.metadata_folder(model_path)).vocab_size
     raw = json.loads(args.raw.read_text()) if args.resume and args.raw.exists() else {"runs": {}, "policy": []}
     for dtype in args.dtype:
         for threads in args.threads:

@@ -675,7 +675,7 @@ def main(argv: list[str] | None = None) -> None:
     from pagedchat.engine.loading import loader
 
     started = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(loader.resolve_model(None, progress=False))
+    tokenizer = AutoTokenizer.from_pretrained(loader.metadata_folder(loader.resolve_model(None, progress=False)))
     workloads = {n: workload(tokenizer, n, args.max_tokens) for n in args.n}
     longest = max(len(r.prompt) for r in workloads[max(args.n)]) + args.max_tokens
     kv_tokens = max(peer_bench.KV_TOKENS, max(args.n) * 16 * math.ceil(longest / 16 + 1))

@@ -172,7 +172,7 @@ def issue2_section(model: str | None, dtype: str, size: str, repeats: int = 1) -
 
     from pagedchat.engine.loading import loader
 
-    tokenizer = AutoTokenizer.from_pretrained(loader.resolve_model(model))
+    tokenizer = AutoTokenizer.from_pretrained(loader.metadata_folder(loader.resolve_model(model)))
     new_tokens = ISSUE2_SIZES[size]
     requests = chat_requests(tokenizer, new_tokens)[: 3 if size == "smoke" else None]
     with stopwatch() as t:

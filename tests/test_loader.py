@@ -16,7 +16,7 @@ from pagedchat.engine.loading import loader
 from pagedchat.engine.loading.gguf import GgufModel
 from pagedchat.engine.loading.loader import (ModelError, check_model, load_model, model_context_len, resolve_device,
                                      resolve_dtype, resolve_model)
-from conftest import build_tiny_model
+from support.models import build_tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -261,6 +261,8 @@ def test_gguf_runs_in_place_with_its_tokenizer_cached(tiny_model, tmp_path, cach
     [cached] = (cache_home / "pagedchat" / "tokenizers").iterdir()
     assert {"config.json", "tokenizer.json"} <= {p.name for p in cached.iterdir()}
     assert sum(p.stat().st_size for p in cached.iterdir()) < 50 * 2**20
+    assert loader.metadata_folder(source) == cached and loader.metadata_folder(tiny_model) == tiny_model
+    assert AutoConfig.from_pretrained(cached).num_hidden_layers == 2
 
     forbid_reading_metadata(monkeypatch)
     assert check_model(source).model_type == "llama"

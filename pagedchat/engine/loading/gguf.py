@@ -170,16 +170,18 @@ def cache_dir(path: Path) -> Path:
 def read_config(path: Path, header: Header) -> PretrainedConfig:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(_cached(path, header))
+    return AutoConfig.from_pretrained(metadata_folder(path, header))
 
 
 def load_tokenizer(path: Path, header: Header) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(_cached(path, header))
+    return AutoTokenizer.from_pretrained(metadata_folder(path, header))
 
 
-def _cached(path: Path, header: Header) -> Path:
+def metadata_folder(path: Path, header: Header) -> Path:
+    """The folder of the file's config and tokenizer (`cache_dir`), written first if missing: what
+    transformers' AutoConfig and AutoTokenizer read as they read a model folder."""
     target = cache_dir(path)
     if target.is_dir():  # only ever created by the rename below, so it is complete
         return target

@@ -139,6 +139,16 @@ def check_model(path: Path, max_model_len: int | None = None) -> PretrainedConfi
     return config
 
 
+def metadata_folder(path: Path) -> Path:
+    """A folder that transformers' AutoTokenizer and AutoConfig read as the model's: a Hugging Face model's
+    own, or for a .gguf the folder its config and tokenizer are cached in."""
+    path = Path(path)
+    if not is_gguf(path):
+        return path
+    _gguf_config(path)
+    return gguf.cache_dir(path)
+
+
 def is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() == ".gguf"
 
