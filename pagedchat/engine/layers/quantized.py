@@ -30,27 +30,37 @@ Matrix = QuantizedWeight | torch.Tensor
 @dataclass(frozen=True, slots=True)
 class ColumnProduct:
     """x @ [W_0; W_1; ...]^T in fp32 without concatenating the W_i: each product fills its own columns.
-    `order`, where given, is the output's column order (a permutation read back after the products)."""
+    `interleaved_heads`, where given, is the number of heads of `head_dim` rows at the start whose two rotary
+    halves a llama.cpp file interleaves (its row 2i + j of a head is transformers' row j * head_dim / 2 + i);
+    their columns are read back into transformers' order by one strided copy."""
 
     parts: tuple[Matrix, ...]
-    order: torch.Tensor | None = None
+    interleaved_heads: int = 0
+    head_dim: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
         return sum(part.shape[0] for part in self.parts), self.parts[0].shape[1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(x.shape[0], self.shape[0], dtype=torch.float32)
+        rows = x.shape[0]
+        out = torch.empty(rows, self.shape[0], dtype=torch.float32)
+        interleaved = self.interleaved_heads * self.head_dim
+        # the interleaved columns are multiplied into a buffer of their own and copied into place once
+        file_order = torch.empty(rows, interleaved, dtype=torch.float32) if interleaved else None
         start = 0
         for part in self.parts:
             end = start + part.shape[0]
+            target = file_order[:, start:end] if end <= interleaved else out[:, start:end]
             if isinstance(part, QuantizedWeight):
-                quant.linear(x, part.data, part.ggml_type, part.shape[1], out=out[:, start:end])
+                quant.linear(x, part.data, part.ggml_type, part.shape[1], out=target)
             else:
-                out[:, start:end] = _plain_product(x, part)
+                target.copy_(_plain_product(x, part))
             start = end
-        if self.order is not None:
-            out = out[:, self.order]
+        if interleaved:
+            heads, half = self.interleaved_heads, self.head_dim // 2
+            out[:, :interleaved].view(rows, heads, 2, half).copy_(
+                file_order.view(rows, heads, half, 2).transpose(-1, -2))
         return out
 
 

@@ -88,15 +88,16 @@ class LlamaModel:
         config, tensors = model.config, model.tensors
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        order = None
+        order = interleaved = None
         if model.permuted_qk:
-            order = torch.cat([gguf.qk_order(heads, head_dim), heads * head_dim + gguf.qk_order(kv_heads, head_dim),
-                               torch.arange((heads + kv_heads) * head_dim, (heads + 2 * kv_heads) * head_dim)])
+            interleaved = heads + kv_heads
+            order = torch.cat([gguf.qk_order(interleaved, head_dim),
+                               torch.arange(interleaved * head_dim, (heads + 2 * kv_heads) * head_dim)])
 
-        def matrix(*names: str, columns: torch.Tensor | None = None) -> Weight:
+        def matrix(*names: str, interleaved: int | None = None) -> Weight:
             parts = tuple(tensors[name] for name in names)
             if model.in_place:
-                return ColumnProduct(parts, columns)
+                return ColumnProduct(parts, interleaved or 0, head_dim)
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
         def vector(*names: str, columns: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -110,7 +111,7 @@ class LlamaModel:
             b = f"blk.{i}."
             qkv = [b + "attn_q.", b + "attn_k.", b + "attn_v."]
             layers.append(LeanLayer(
-                tensors[b + "attn_norm.weight"], matrix(*(n + "weight" for n in qkv), columns=order),
+                tensors[b + "attn_norm.weight"], matrix(*(n + "weight" for n in qkv), interleaved=interleaved),
                 vector(*(n + "bias" for n in qkv), columns=order),
                 tensors.get(b + "attn_q_norm.weight"), tensors.get(b + "attn_k_norm.weight"),
                 matrix(b + "attn_output.weight"), vector(b + "attn_output.bias"), tensors[b + "ffn_norm.weight"],
