@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.common import Section, Table, load_llm, random_tokens, start, stopwatch
-from bench.invariants import assert_invariants
+from pagedchat.engine.core.invariants import assert_invariants
 
 
 @dataclass(frozen=True)

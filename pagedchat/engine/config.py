@@ -61,7 +61,7 @@ class EngineArgs:
         """Every value decided and checked, the model found (installed first if it is the default and missing),
         nothing loaded yet. Raises ModelError or ConfigError, each one line."""
         from pagedchat.engine.llm_engine import EngineConfig
-        from pagedchat.engine.loading import loader
+        from pagedchat.engine.loading import gguf, loader
         from pagedchat.engine.worker.compiled_decode import compiling_by_default
         from pagedchat.engine.worker.model_runner import KVLayout
         from pagedchat.kernels import select_backend
@@ -77,6 +77,8 @@ class EngineArgs:
         if self.block_size < 1:
             raise ConfigError(f"block_size must be at least 1, got {self.block_size}")
         path = loader.resolve_model(self.model, progress=progress)
+        if loader.is_gguf(path):  # a GGUF's activations and KV cache are in the dtype it computes in
+            dtype = gguf.compute_dtype(dtype, device)
         model_config = loader.check_model(path, self.max_model_len)
         bytes_per_block = KVLayout.of(model_config).bytes_per_block(self.block_size, dtype)
         num_blocks = self._pool_blocks(bytes_per_block)

@@ -223,10 +223,10 @@ _STORED_FLOAT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 def weights_bytes(path: Path, dtype: torch.dtype) -> int:
     """The model's weights in memory once loaded in `dtype`: for a folder, each tensor's stored bytes (from the
     safetensors headers `check_model` validated) scaled by dtype's element size over the stored one, so that
-    bf16 weights loaded as float32 count double; for a .gguf, the file."""
+    bf16 weights loaded as float32 count double; for a .gguf, its mapped tensors and any dequantized copies."""
     path = Path(path)
-    if path.is_file():
-        return path.stat().st_size
+    if is_gguf(path):
+        return gguf.gguf_weights_bytes(path)
     total = 0
     for file in sorted(path.glob("*.safetensors")):
         for name, tensor in _safetensors_header(file, file.stat().st_size)[1].items():

@@ -5,7 +5,7 @@ import functools
 import time
 from types import SimpleNamespace
 
-from conftest import byte_tokenizer
+from support.models import byte_tokenizer
 from textual.app import App, ComposeResult
 
 from pagedchat.engine.api.snapshot import BlockEvent, BlockInfo, KVSnapshot, RequestInfo

@@ -1,0 +1,1 @@
+"""Helpers the tests of several areas share (fixtures are in conftest.py)."""
