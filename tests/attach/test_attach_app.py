@@ -8,8 +8,8 @@ import textwrap
 from types import SimpleNamespace
 
 import pytest
-from test_serve import KEY, Live, wait_for
-from test_tui_support import async_test, wait_until
+from support.serve import KEY, Live, wait_for
+from support.tui import async_test, wait_until
 
 from pagedchat import SamplingParams
 from pagedchat.tui.app import PagedChatApp

@@ -9,7 +9,7 @@ from contextlib import aclosing
 from pathlib import Path
 
 import pytest
-from test_serve import KEY, Live, free_port, wait_for
+from support.serve import KEY, Live, free_port, wait_for
 from vllm_server import BLOCK_SIZE, vllm_python, vllm_server
 
 from pagedchat import SamplingParams

@@ -12,15 +12,21 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from support.tui import async_test
+from vllm_server import vllm_python, vllm_server
 
 from pagedchat.attach import kv_events
 from pagedchat.attach.kv_events import (
-    AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEventStream, decode_batch, parse_kv_events,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEventStream,
+    decode_batch,
+    parse_kv_events,
     rank_endpoints,
 )
 from pagedchat.attach.prefix_tree import EVICTIONS_KEPT, Eviction, PrefixTree
-from test_tui_support import async_test
-from vllm_server import vllm_python, vllm_server
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kv_events"
 

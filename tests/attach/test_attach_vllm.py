@@ -8,7 +8,7 @@ import asyncio
 import time
 
 import pytest
-from test_tui_support import async_test, wait_until
+from support.tui import async_test, wait_until
 from vllm_server import BLOCK_SIZE, vllm_python, vllm_server
 
 from pagedchat import SamplingParams

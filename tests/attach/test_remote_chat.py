@@ -3,7 +3,7 @@ an error for its tab, whatever the stream does, so a tab never stays 'replying'.
 
 import asyncio
 
-from test_tui_support import async_test
+from support.tui import async_test
 
 from pagedchat import SamplingParams
 from pagedchat.attach.client import ChatDelta

@@ -3,7 +3,17 @@ its report has the expected shape. Never timings: those belong to bench/RESULTS.
 
 import pytest
 
-from bench import chart, closed_conversations, concurrency, multiturn, sharing, soak, step_overhead, throughput, ui_overhead
+from bench import (
+    chart,
+    closed_conversations,
+    concurrency,
+    multiturn,
+    sharing,
+    soak,
+    step_overhead,
+    throughput,
+    ui_overhead,
+)
 from bench.common import Section, Table, fixed_requests, header, random_requests
 
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -156,8 +156,8 @@ def needed_for(tiny_model, kv_memory: str) -> tuple[int, int]:
     import torch
     from safetensors import safe_open
 
-    from pagedchat.engine.loading.loader import check_model
     from pagedchat.engine.config import parse_size
+    from pagedchat.engine.loading.loader import check_model
     from pagedchat.engine.worker.model_runner import KVLayout
 
     config = check_model(tiny_model)

@@ -6,9 +6,9 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedchat.engine.api.params import SamplingParams
 from pagedchat.engine.core.block_pool import BlockPool
 from pagedchat.engine.core.kv_manager import KVCacheManager
-from pagedchat.engine.api.params import SamplingParams
 from pagedchat.engine.core.sequence import Sequence
 
 BLOCK_SIZE = 4

@@ -8,11 +8,11 @@ import tracemalloc
 from types import SimpleNamespace
 
 import pytest
-from bench.invariants import assert_all_free, assert_invariants
-from test_engine import GREEDY, make_llm
+from support.engine import GREEDY, make_llm
 
 from pagedchat import SamplingParams
 from pagedchat.engine import llm_engine
+from pagedchat.engine.core.invariants import assert_all_free, assert_invariants
 
 ANSWER = SamplingParams(max_tokens=3, ignore_eos=True, **GREEDY)
 

@@ -6,12 +6,12 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from support.engine import hf_greedy, make_llm, random_prompts
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from pagedchat import SamplingParams
-from pagedchat.engine.worker import compiled_decode
 from pagedchat.engine.layers import plan as kernel_plan
-from test_engine import hf_greedy, make_llm, random_prompts
+from pagedchat.engine.worker import compiled_decode
 
 
 @pytest.fixture(autouse=True)

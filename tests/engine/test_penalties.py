@@ -5,15 +5,14 @@ from collections import Counter
 
 import pytest
 import torch
-from test_engine import hf_greedy, make_llm, next_turn, random_prompts
-from test_serve import GREEDY, POOL, Live
+from support.engine import hf_greedy, make_llm, next_turn, random_prompts
+from support.serve import GREEDY, POOL, Live
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from pagedchat import SamplingParams
-from pagedchat.engine.worker import sampler
 from pagedchat.engine.chat import ChatSession
 from pagedchat.engine.core.sequence import Sequence
-
+from pagedchat.engine.worker import sampler
 
 # ---- repetition penalty: HF's generate, token for token ------------------------------------------
 

@@ -1,12 +1,12 @@
 """A prefix-cache hit is the same tokens at the same place in the same chain, never a hash match alone."""
 
 import pytest
-from bench.invariants import assert_all_free
-from test_engine import GREEDY, hf_greedy, make_llm, random_prompts, run_to_end
+from support.engine import GREEDY, hf_greedy, make_llm, random_prompts, run_to_end
 
 from pagedchat import SamplingParams
 from pagedchat.engine.core import kv_manager
 from pagedchat.engine.core.block_pool import chain_hash
+from pagedchat.engine.core.invariants import assert_all_free
 
 BS = 4
 

@@ -2,7 +2,7 @@
 conversation, though it only ever encodes what each new message adds."""
 
 import pytest
-from conftest import byte_tokenizer
+from support.models import byte_tokenizer
 
 from pagedchat.engine.chat import ChatSession, RequestKey, chat_prompt, replay
 

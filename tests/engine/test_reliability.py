@@ -3,11 +3,11 @@
 import random
 
 import torch
-from bench import soak
-from bench.invariants import assert_all_free
-from test_engine import GREEDY, make_llm
+from support.engine import GREEDY, make_llm
 
+from bench import soak
 from pagedchat import SamplingParams
+from pagedchat.engine.core.invariants import assert_all_free
 
 
 def test_soak_random_arrivals_aborts_forks_and_closes(tiny_model):

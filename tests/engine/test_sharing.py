@@ -1,10 +1,10 @@
 """Forks, copy-on-write and parallel samples: shared blocks are stored once and behave like copies."""
 
-from bench.invariants import assert_all_free, assert_invariants
-from test_engine import GREEDY, hf_greedy, make_llm, run_to_end
+from support.engine import GREEDY, hf_greedy, make_llm, run_to_end
 
 from pagedchat import SamplingParams
 from pagedchat.engine.chat import ChatSession
+from pagedchat.engine.core.invariants import assert_all_free, assert_invariants
 
 
 def test_forked_conversation_branches_match_hf(tiny_model):

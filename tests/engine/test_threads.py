@@ -75,7 +75,7 @@ def test_a_real_busy_neighbour_is_seen():
 
 
 def test_the_engine_follows_the_policy_unless_given_a_count(tiny_model):
-    from test_engine import make_llm
+    from support.engine import make_llm
 
     before = torch.get_num_threads()
     try:

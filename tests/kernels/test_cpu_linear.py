@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from pagedchat.kernels import cpu_gemm, cpu_gemm_bf16, native
 
 from pagedchat.engine.layers import linear as cpu_linear
 from pagedchat.engine.layers.linear import CpuLinear, linear_for
@@ -14,7 +15,6 @@ from pagedchat.engine.layers.norm import rms_norm
 from pagedchat.engine.layers.ops import LayerOps
 from pagedchat.engine.layers.plan import KernelPlan, plan_for, torch_plan
 from pagedchat.engine.layers.rotary import rotate
-from pagedchat.kernels import cpu_gemm, cpu_gemm_bf16, native
 
 CPU = torch.device("cpu")
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+from pagedchat.kernels import AttentionMetadata, native, torch_ops, triton_ops
 
 from pagedchat import kernels
-from pagedchat.kernels import AttentionMetadata, native, torch_ops, triton_ops
 
 IMPLEMENTATIONS = {"torch": torch_ops, "triton": triton_ops}
 needs_avx2 = pytest.mark.skipif(not native.AVX2_CPU_FLAGS <= native.cpu_flags(), reason="cpu_attention.c needs AVX2")

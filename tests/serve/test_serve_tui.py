@@ -6,8 +6,8 @@ import shutil
 
 import httpx
 import pytest
-from test_serve import free_port, wait_for
-from test_tui_e2e import STARTUP_S, Terminal, pagedchat
+from support.serve import free_port, wait_for
+from support.terminal import STARTUP_S, Terminal, pagedchat
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None,
                                 reason="tmux is not installed (apt-get install tmux); .ci/run installs it")

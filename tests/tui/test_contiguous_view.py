@@ -2,13 +2,19 @@
 
 import dataclasses
 
-from test_tui_app import LONG, loaded, make_app  # noqa: F401 (make_app is a fixture)
-from test_tui_support import PanelApp, async_test, frozen_llm, make_snapshot, wait_until
+from support.app import LONG, loaded  # noqa: F401 (make_app is a fixture)
+from support.tui import PanelApp, async_test, frozen_llm, make_snapshot, wait_until
 
 from pagedchat.engine.api.snapshot import RequestInfo
 from pagedchat.tui.app import PagedChatApp
-from pagedchat.tui.contiguous_view import (MODEL_LABEL, ContiguousView, Reservation, contiguous_model,
-                                           contiguous_text, first_fit)
+from pagedchat.tui.contiguous_view import (
+    MODEL_LABEL,
+    ContiguousView,
+    Reservation,
+    contiguous_model,
+    contiguous_text,
+    first_fit,
+)
 from pagedchat.tui.kv_panel import KVPanel
 from pagedchat.tui.kv_stats import contiguous_blocks
 from pagedchat.tui.loading_screen import LoadingScreen

@@ -4,6 +4,7 @@ and a tree by hash, each tab matched against it block by block, never a physical
 import dataclasses
 import random
 
+from support.tui import async_test, wait_until
 from textual.app import App, ComposeResult
 from textual.widgets import Tree
 
@@ -13,7 +14,6 @@ from pagedchat.attach.prefix_tree import PrefixTree
 from pagedchat.attach.watch import LogicalSnapshot, rank_view
 from pagedchat.tui.logical_panel import NOTICE, LogicalPanel
 from pagedchat.tui.themes import SessionTag
-from test_tui_support import async_test, wait_until
 
 SIZE = 16
 METRICS = ServerMetrics(num_blocks=1000, block_size=SIZE, usage=0.25, running=1, waiting=2, preemptions=3,

@@ -1,6 +1,6 @@
 """The offer at start lists last time's chats one a line, a title too long for the dialog cut with an ellipsis."""
 
-from test_tui_support import async_test
+from support.tui import async_test
 from textual.app import App
 from textual.widgets import Label
 

@@ -3,9 +3,9 @@ from them (by hand, in a picture, and in the app while it is paused)."""
 
 import dataclasses
 
-from test_engine import make_llm, random_prompts
-from test_tui_app import loaded, make_app  # noqa: F401 (make_app is a fixture)
-from test_tui_support import PanelApp, async_test, make_snapshot, wait_until
+from support.app import loaded  # noqa: F401 (make_app is a fixture)
+from support.engine import make_llm, random_prompts
+from support.tui import PanelApp, async_test, make_snapshot, wait_until
 
 from pagedchat import SamplingParams
 from pagedchat.engine.api.snapshot import snapshot_from_json, snapshot_to_json

@@ -4,13 +4,15 @@ import gc
 import threading
 
 import pytest
-from bench.invariants import assert_all_free, assert_invariants
-from test_tui_support import async_test, frozen_llm, make_snapshot, wait_until
-from test_tui_worker import idle, watch
+from support.app import LONG, SHORT, SIZE, loaded, notices, reply_done
+from support.tui import async_test, frozen_llm, make_snapshot, wait_until
+from support.worker import idle, watch
 from textual import events
 from textual.widgets import Input, TextArea
 
 from pagedchat import LLM, SamplingParams
+from pagedchat.engine.core.invariants import assert_all_free, assert_invariants
+from pagedchat.engine.runtime.engine_thread import EngineThread
 from pagedchat.history import History
 from pagedchat.tui.app import PagedChatApp
 from pagedchat.tui.block_detail import BlockDetail
@@ -22,28 +24,6 @@ from pagedchat.tui.loading_screen import LoadingScreen
 from pagedchat.tui.message_box import MessageBox
 from pagedchat.tui.restore_screen import RestoreScreen
 from pagedchat.tui.settings_screen import SettingsScreen
-from pagedchat.engine.runtime.engine_thread import EngineThread
-
-SIZE = (160, 50)
-# ignore_eos: the random model may end a reply at once; these replies must run long enough to watch.
-SHORT = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-LONG = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
-
-
-@pytest.fixture
-def make_app(tiny_model):
-    def make(params: SamplingParams = SHORT, gate: threading.Event | None = None, **llm_kwargs) -> PagedChatApp:
-        """`gate`: the loading waits for it, so a test can act while the loading screen is up."""
-        kwargs = dict(dtype="float32", device="cpu", attention_backend="torch", num_kv_blocks=96) | llm_kwargs
-
-        def load() -> LLM:
-            if gate is not None:
-                gate.wait(60)
-            return LLM(model=tiny_model, **kwargs)
-
-        return PagedChatApp(load, params=params)
-
-    return make
 
 
 @pytest.fixture
@@ -53,14 +33,6 @@ def watched_worker(monkeypatch):
     monkeypatch.setattr("pagedchat.tui.source.EngineThread", lambda *args, **kwargs: watch(EngineThread(*args, **kwargs)))
 
 
-async def loaded(pilot) -> PagedChatApp:
-    app = pilot.app
-    # The loading screen closes, then the first tab opens.
-    await wait_until(pilot, lambda: app.current_pane is not None and not isinstance(app.screen, LoadingScreen)
-                     and app.current_pane.query(MessageBox), what="the model to load and the first tab to open")
-    return app
-
-
 def snapshot(app: PagedChatApp):
     return app.query_one(KVPanel).snapshot
 
@@ -68,11 +40,6 @@ def snapshot(app: PagedChatApp):
 async def panel_caught_up(pilot, app: PagedChatApp) -> None:
     """The panel draws the engine's latest snapshot (it may lag by up to MAX_DRAW_GAP_S)."""
     await wait_until(pilot, lambda: snapshot(app) is app.worker.snapshot, what="the panel to catch up")
-
-
-async def reply_done(pilot, *panes) -> None:
-    await wait_until(pilot, lambda: not any(p.replying for p in panes) and all(p.conversation.last_reply for p in panes),
-                     what="the replies")
 
 
 @async_test
@@ -321,10 +288,6 @@ async def test_a_full_context_says_so_and_offers_a_new_chat(make_app):
         await pilot.pause()
         await pilot.click(".new-chat")
         await wait_until(pilot, lambda: app.current_pane is not pane, what="a new chat")
-
-
-def notices(app: PagedChatApp) -> list[str]:
-    return [n.message for n in app._notifications]
 
 
 def record_sends(app: PagedChatApp) -> list[list[int]]:

@@ -1,13 +1,10 @@
 """Teaching mode on screen (issue 16): a paused or slowed engine says so until it runs normally again."""
 
-import test_tui_app
-from test_tui_app import SIZE, loaded
-from test_tui_support import async_test, wait_until
+from support.app import SIZE, loaded
+from support.tui import async_test, wait_until
 from textual.widgets._footer import FooterKey
 
 from pagedchat.tui.app import PagedChatApp
-
-make_app = test_tui_app.make_app  # the fixture
 
 
 def badge(app: PagedChatApp) -> str:

@@ -2,13 +2,13 @@
 ctrl+t brings it back (its turns, its draft, its saved history) through the engine; the editing keys
 the app's keys take have alternatives, listed in f1."""
 
-from test_tui_app import SIZE, loaded, make_app, reply_done  # noqa: F401 (make_app is a fixture)
-from test_tui_support import async_test, frozen_llm, make_snapshot, wait_until
+from support.app import SIZE, loaded, reply_done  # noqa: F401 (make_app is a fixture)
+from support.tui import async_test, frozen_llm, make_snapshot, wait_until
 from textual.widgets import Markdown
 
 from pagedchat.history import History
-from pagedchat.tui.help_screen import HelpScreen
 from pagedchat.tui.app import PagedChatApp
+from pagedchat.tui.help_screen import HelpScreen
 from pagedchat.tui.message_box import SHADOWED, MessageBox
 
 
@@ -52,7 +52,7 @@ async def test_ctrl_t_reopens_a_closed_chat_with_its_turns_draft_and_history(mak
 
 @async_test
 async def test_closing_a_tab_mid_reply_keeps_its_message_as_the_draft(make_app):
-    from test_tui_app import LONG
+    from support.app import LONG
     app = make_app(LONG)
     async with app.run_test(size=SIZE) as pilot:
         pane = (await loaded(pilot)).current_pane

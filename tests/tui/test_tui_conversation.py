@@ -1,21 +1,9 @@
 """A tab's conversation: what it sends the engine on each turn, and how it rebuilds itself."""
 
 import pytest
-from conftest import byte_tokenizer
+from support.conversation import TOKENIZER, conversation, reply
 
-from pagedchat.engine.chat import ChatSession
-from pagedchat.tui.conversation import ContextFull, Conversation, MessageTooLong
-
-TOKENIZER = byte_tokenizer()
-EOS = TOKENIZER.eos_token_id
-
-
-def conversation(key: str = "chat-1", system: str | None = None) -> Conversation:
-    return Conversation(lambda prompt: ChatSession(TOKENIZER, prompt), key, system)
-
-
-def reply(text: str) -> list[int]:
-    return TOKENIZER.encode(text, add_special_tokens=False) + [EOS]
+from pagedchat.tui.conversation import ContextFull, MessageTooLong
 
 
 def test_first_turn_adds_a_request_later_turns_continue_it():

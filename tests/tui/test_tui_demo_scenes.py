@@ -2,8 +2,8 @@
 tab once it has replied (the fork holds the first tab's blocks) and samples its second tab's replies three
 times."""
 
-from test_tui_app import SIZE
-from test_tui_support import async_test, wait_until
+from support.app import SIZE
+from support.tui import async_test, wait_until
 
 from pagedchat import LLM
 from pagedchat.cli import build_parser

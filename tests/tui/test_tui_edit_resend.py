@@ -2,8 +2,8 @@
 new tab holding the turns before it, its text in the box to edit; sent, the new conversation shares the
 old one's full blocks through the prefix cache and allocates its own after them."""
 
-from test_tui_app import SIZE, loaded, make_app, notices, reply_done  # noqa: F401 (make_app is a fixture)
-from test_tui_support import async_test, frozen_llm, make_snapshot, wait_until
+from support.app import SIZE, loaded, notices, reply_done  # noqa: F401 (make_app is a fixture)
+from support.tui import async_test, frozen_llm, make_snapshot, wait_until
 from textual.widgets import OptionList
 
 from pagedchat.history import History

@@ -1,9 +1,9 @@
 """Issue 16: f2 and f1 take the keyboard at once; ctrl+e exports into the documents folder, each system
 prompt shown before the turns it governed."""
 
-from test_tui_app import SIZE, loaded, make_app, reply_done  # noqa: F401 (make_app is a fixture)
-from test_tui_conversation import conversation, reply
-from test_tui_support import async_test, frozen_llm, make_snapshot, wait_until
+from support.app import SIZE, loaded, reply_done  # noqa: F401 (make_app is a fixture)
+from support.conversation import conversation, reply
+from support.tui import async_test, frozen_llm, make_snapshot, wait_until
 from textual.containers import VerticalScroll
 from textual.widgets import TextArea
 

@@ -1,8 +1,8 @@
 """Issue 16, defects 3 and 5: the app at 80x24 (the chat keeps half the width, f4 hides the panel, the
 tabs fit), a closed tab's blocks named by its title in the event log, and no stale turn line."""
 
-from test_tui_app import SIZE, loaded, make_app, reply_done  # noqa: F401 (make_app is a fixture)
-from test_tui_support import async_test, frozen_llm, make_snapshot, wait_until
+from support.app import SIZE, loaded, reply_done  # noqa: F401 (make_app is a fixture)
+from support.tui import async_test, frozen_llm, make_snapshot, wait_until
 from textual.widgets import Tab, TabbedContent
 
 from pagedchat.tui.app import PagedChatApp
@@ -57,8 +57,9 @@ async def test_a_closed_tabs_blocks_are_named_by_its_title_and_a_new_turn_clears
 async def test_a_long_block_table_goes_on_over_lines_and_shows_every_block_id():
     import random
 
+    from support.tui import PanelApp
+
     from pagedchat.tui.block_tables import BlockTables
-    from test_tui_support import PanelApp
 
     table = random.Random(5).sample(range(200, 400), 60)  # three-digit ids: far more than one line holds
     app = PanelApp(make_snapshot(num_blocks=400, tables={"a.1": table}))

@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from test_tui_support import PanelApp, async_test, events, make_snapshot
+from support.tui import PanelApp, async_test, events, make_snapshot
 
 from pagedchat.tui.block_detail import BlockDetail
 from pagedchat.tui.block_grid import BlockGrid, cell_for

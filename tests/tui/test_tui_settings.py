@@ -2,8 +2,8 @@
 the tab's next turn samples with them, and they are saved with the tab's settings in the history and
 restored at the next start."""
 
-from test_tui_app import SIZE, loaded, make_app, reply_done  # noqa: F401 (make_app is a fixture)
-from test_tui_support import async_test, wait_until
+from support.app import SIZE, loaded, reply_done  # noqa: F401 (make_app is a fixture)
+from support.tui import async_test, wait_until
 from textual.widgets import Input, TextArea
 
 from pagedchat.engine.api.params import SamplingParams

@@ -2,10 +2,10 @@
 
 import asyncio
 
-from conftest import byte_tokenizer
-from test_engine import hf_greedy
-from test_tui_app import SIZE, loaded, reply_done
-from test_tui_support import async_test
+from support.models import byte_tokenizer
+from support.app import SIZE, loaded, reply_done
+from support.engine import hf_greedy
+from support.tui import async_test
 from textual.widgets import TabbedContent
 
 from pagedchat import LLM, SamplingParams
