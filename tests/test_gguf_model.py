@@ -251,8 +251,9 @@ def test_weights_stay_in_the_file(tiny_gguf):
         assert any(low <= start and end <= high for low, high in mapped)
 
 
-def test_the_types_the_kernels_do_not_take_are_dequantized_and_said(tiny_gguf):
+def test_the_types_the_kernels_do_not_take_are_dequantized_and_said(tiny_gguf, caplog):
     model, _ = loader.load_model(tiny_gguf, torch.float32, torch.device("cpu"))
+    assert "1 tensors of types the kernels do not take (Q5_0) dequantized to bf16: +0 MiB" in caplog.text
     name = f"blk.{LAYERS - 1}.ffn_down.weight"
     [entry] = model.dequantized
     assert (entry.name, entry.ggml_type) == (name, "Q5_0")

@@ -295,6 +295,14 @@ def forbid_reading_metadata(monkeypatch) -> None:
     monkeypatch.setattr(modeling_gguf_pytorch_utils, "load_gguf_checkpoint", forbidden)
 
 
+def test_first_reading_of_a_gguf_is_said(tiny_model, tmp_path, capsys):
+    source = write_gguf(tiny_model, tmp_path / "tiny.gguf")
+    resolve_model(source, progress=True)
+    assert "Reading tiny.gguf's config and tokenizer once" in capsys.readouterr().err
+    resolve_model(source, progress=True)
+    assert capsys.readouterr().err == ""
+
+
 def test_interrupted_caching_leaves_nothing(tiny_model, tmp_path, cache_home, monkeypatch):
     def interrupted(path, header, out):
         (out / "config.json").write_text("{}")

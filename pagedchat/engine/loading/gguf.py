@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import mmap
 import shutil
 import struct
@@ -30,6 +31,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagedchat.engine.layers.quantized import Matrix, QuantizedWeight
 from pagedchat.kernels import quant
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
@@ -347,6 +350,10 @@ def open_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Gg
             else:
                 tensor = tensor.to(device=device, dtype=dtype)
             tensors[info.name] = tensor
+    if dequantized:
+        log.warning("%s: %d tensors of types the kernels do not take (%s) dequantized to bf16: +%.0f MiB",
+                    Path(path).name, len(dequantized), "/".join(sorted({d.ggml_type for d in dequantized})),
+                    sum(d.bytes for d in dequantized) / 2**20)
     model = GgufModel(Path(path), config, generation, compute_dtype(dtype, device), device, tensors,
                       in_place, permuted and in_place, dequantized)
     return model, tokenizer

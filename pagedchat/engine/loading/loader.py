@@ -51,6 +51,9 @@ def resolve_model(model: str | os.PathLike | None, *, progress: bool = True) -> 
     """The Hugging Face folder or .gguf file to load for `model` (None: the default model), checked by
     `check_model`. A GGUF's config and tokenizer are read from its metadata here, once per file (cached)."""
     path = default_model_file(progress=progress) if model is None else Path(model).expanduser()
+    if progress and is_gguf(path) and not gguf.cache_dir(path).is_dir():
+        print(f"Reading {path.name}'s config and tokenizer once, into {gguf.cache_dir(path).parent}",
+              file=sys.stderr)
     check_model(path)
     return path
 
