@@ -33,6 +33,7 @@ SHAPES = {"q/o": (2048, 2048), "k/v": (512, 2048), "gate/up": (8192, 2048), "dow
           "lm head": (128256, 2048)}
 ROWS_PER_SHAPE = {"lm head": (1, 16)}  # a prefill takes the lm head of its last row only
 TYPES = ("Q4_K", "Q6_K", "Q8_0")
+INT8PACK_ROWS = 16  # past a few rows it runs at 1-2 GFLOP/s on AVX2 machines: seconds a product
 
 
 def random_weight(rng: np.random.Generator, ggml_type: GGMLQuantizationType, rows: int, depth: int) -> torch.Tensor:
@@ -132,6 +133,8 @@ def main() -> None:
                 print(f"| {shape} {width}x{depth} | bf16 copy | {rows} | torch F.linear | {seconds * 1e3:.3f} | "
                       f"{bf16.numel() * 2 / seconds / 1e9:.1f} | {bf16.numel() * 2 / seconds / 1e9 / bandwidth:.0%} | "
                       f"{2 * rows * width * depth / seconds / 1e9:.0f} | |")
+                if rows > INT8PACK_ROWS:
+                    continue
                 try:
                     seconds = median_seconds(lambda: torch._weight_int8pack_mm(x, packed, scale))
                 except RuntimeError as exc:  # not built for this CPU or dtype
