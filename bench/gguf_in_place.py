@@ -10,6 +10,7 @@ Each engine runs in its own process, one after the other; the files are kept in 
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -165,7 +166,7 @@ def measure(model: str, dtype: str, tokens: int, threads: int) -> dict:
         steps.append(time.perf_counter() - t)
     return {"model": Path(model).name, "plan": engine.runner.plan.describe(), "load_s": round(loaded, 2),
             "decode_tok_s": round(len(steps) / sum(steps), 2), "median_step_ms": round(1e3 * float(np.median(steps)), 2),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
 
 
 def main(argv: list[str] | None = None) -> None:
