@@ -15,8 +15,7 @@ from pagedchat.engine.layers.quantized import ColumnProduct, QuantizedWeight
 from pagedchat.engine.loading import gguf as gguf_loading
 from pagedchat.engine.loading import loader
 from pagedchat.kernels import AttentionMetadata, quant, torch_ops
-from support.models import byte_tokenizer
-from test_loader import add_tokenizer
+from support.models import add_gguf_tokenizer, byte_tokenizer
 
 pytestmark = pytest.mark.skipif(quant.isa() is None, reason="cpu_quant.c could not be built here")
 
@@ -89,7 +88,7 @@ def write_tiny_gguf(out: Path, seed: int, arch: str = "llama") -> Path:
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    add_tokenizer(writer, tokenizer)
+    add_gguf_tokenizer(writer, tokenizer)
 
     def add(name: str, ggml_type: T, rows: int, depth: int) -> None:
         data = tensor_for(rng, ggml_type, rows, depth)

@@ -16,7 +16,7 @@ from pagedchat.engine.loading import loader
 from pagedchat.engine.loading.gguf import GgufModel
 from pagedchat.engine.loading.loader import (ModelError, check_model, load_model, model_context_len, resolve_device,
                                      resolve_dtype, resolve_model)
-from support.models import build_tiny_model
+from support.models import add_gguf_tokenizer, build_tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -37,18 +37,6 @@ def copy_of(model: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(model, tmp_path / "model"))
 
 
-def add_tokenizer(writer: gguf.GGUFWriter, tokenizer) -> None:
-    """The tokenizer's vocabulary, special tokens and chat template as llama.cpp's metadata."""
-    writer.add_tokenizer_model("gpt2")
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    writer.add_token_list([token for token, _ in vocab])
-    writer.add_token_scores([0.0] * len(vocab))  # gguf drops an empty merges list; scores stand in
-    writer.add_token_types([3 if token in tokenizer.all_special_tokens else 1 for token, _ in vocab])
-    writer.add_bos_token_id(tokenizer.bos_token_id)
-    writer.add_eos_token_id(tokenizer.eos_token_id)
-    writer.add_chat_template(tokenizer.chat_template)
-
-
 def write_gguf(model: Path, out: Path) -> Path:
     """The tiny Llama as a llama.cpp-style GGUF (F32 tensors, q/k rows permuted as llama.cpp does)."""
     config = json.loads((model / "config.json").read_text())
@@ -62,7 +50,7 @@ def write_gguf(model: Path, out: Path) -> Path:
     writer.add_head_count(heads := config["num_attention_heads"])
     writer.add_head_count_kv(kv_heads := config["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    add_tokenizer(writer, tokenizer)
+    add_gguf_tokenizer(writer, tokenizer)
 
     def permute(w: np.ndarray, n_head: int) -> np.ndarray:
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

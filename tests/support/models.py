@@ -56,3 +56,15 @@ def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def add_gguf_tokenizer(writer, tokenizer) -> None:
+    """The tokenizer's vocabulary, special tokens and chat template as llama.cpp's metadata."""
+    writer.add_tokenizer_model("gpt2")
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_scores([0.0] * len(vocab))  # gguf drops an empty merges list; scores stand in
+    writer.add_token_types([3 if token in tokenizer.all_special_tokens else 1 for token, _ in vocab])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_chat_template(tokenizer.chat_template)
