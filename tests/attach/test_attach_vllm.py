@@ -9,7 +9,7 @@ import time
 
 import pytest
 from support.tui import async_test, wait_until
-from vllm_server import BLOCK_SIZE, vllm_python, vllm_server
+from support.vllm_server import BLOCK_SIZE, vllm_python, vllm_server
 
 from pagedchat import SamplingParams
 from pagedchat.attach.client import ApiClient

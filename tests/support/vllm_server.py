@@ -37,7 +37,7 @@ def vllm_server(env: Mapping[str, str] = {}) -> Iterator[tuple[str, str]]:
     """(base URL, `--kv-events` value) of a started, healthy server, `env` added to its environment
     (`VLLM_SERVER_DEV_MODE=1`: /reset_prefix_cache, which publishes AllBlocksCleared;
     `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`: sha256 digests for hashes)."""
-    from pagedchat.engine.loading import loader
+    from bench.peers import default_model_folder
 
     python = vllm_python()
     assert python is not None, "the bench peers' vLLM venv is not built"
@@ -45,7 +45,7 @@ def vllm_server(env: Mapping[str, str] = {}) -> Iterator[tuple[str, str]]:
     kv_events_config = {"enable_kv_cache_events": True, "publisher": "zmq",
                         "endpoint": f"tcp://*:{events}", "replay_endpoint": f"tcp://*:{replay}"}
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(loader.resolve_model(None, progress=False)), "--dtype", "bfloat16",
+               "--model", str(default_model_folder()), "--dtype", "bfloat16",
                "--max-model-len", "2048", "--max-num-seqs", "4", "--block-size", str(BLOCK_SIZE),
                "--enable-prefix-caching", "--enforce-eager", "--seed", "0",
                "--kv-events-config", json.dumps(kv_events_config),
