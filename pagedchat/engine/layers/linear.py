@@ -1,28 +1,16 @@
-"""The matmul of a linear layer on the CPU, chosen once per model for its dtype and the CPU.
+"""The matmul of a linear layer on the CPU, chosen once per model (by the kernel plan) for its dtype and the CPU.
 
-Measured on the 2-core AVX2 machines (no avx512f, no bf16 instructions), the default model's 30 layers
-with weights cold in memory, as in a step, at 1 / 4 / 16 rows, 2 threads:
-- bf16: torch emulates the half-precision product, at a cost that grows with every row: 28 ms at 1 row,
-  235 at 16. oneDNN on an fp32 copy of every weight: 55 / 53 / 79 ms, the copies doubling the model's
-  memory. pagedchat's own AVX2 matmul (cpu_gemm.c) on the bf16 weights as they are, widening them in
-  registers: 28 / 35 / 49 ms, the lm head 7 / 6 / 13 against oneDNN's 12 / 10 / 17. At one row, once
-  cpu_gemm read each weight row in memory order (one stream for the prefetcher): 24.7 against torch's
-  32.6 ms at 2 threads, 38.5 against 51.4 at one (121 matmuls, medians of 12). So bf16 layers use
-  cpu_gemm at every row count; without it, torch's product for up to two rows, oneDNN past that.
-- fp32: cpu_gemm 43 / 46 / 72 ms against oneDNN's 55 / 53 / 79 (MKL's `F.linear`: 72 / - / 106).
-Measured on a 2-core machine with avx512f and avx512_bf16 (AMD Zen 5), the same 121 matmuls, 2 threads
-(1 / 4 / 16 rows):
-- bf16: oneDNN's native bf16 product on weights it reordered once: 7.7-11 / 12.7 / 11-18 ms; torch's own
-  `F.linear`, which calls oneDNN on the weight as it is: 16 / - / 21; cpu_gemm, AVX2 only: 7.2-9.3 / 20.6 /
-  29-46; pagedchat's avx512_bf16 matmul (cpu_gemm_bf16.c) on weights packed for it once: 6.4 / 6.2 / 8.2
-  against oneDNN's 7.8 / 7.9 / 10.9 in the same run (32 rows 12.2 / 16.0, 600 rows 188 / 196). So cpu_gemm
-  for one row (whose neighbouring ops it also fuses), cpu_gemm_bf16 past that.
-- fp32: cpu_gemm 14.4 / 17.8 / 29.7 against oneDNN's 18.3 / 15.3 / 20.2: cpu_gemm for one row only.
-fp16 on such a CPU: torch's own product. Where cpu_gemm cannot be built (no C compiler), the layers
-multiply through oneDNN (on fp32 copies of half-precision weights, but for bf16 with bf16 instructions).
-Either way a half-precision product is rounded to the model's dtype once, as a bf16 matmul rounds its
-fp32 accumulator. The packed and the reordered copies are made at a weight's first use; a model keeps one
-of them beside its own weights.
+- bf16 on a CPU without bf16 instructions: torch emulates the half-precision product at a cost that grows with
+  every row, and oneDNN on fp32 copies doubles the model's memory; so pagedchat's own AVX2 matmul
+  (cpu_gemm.c) takes every row count, widening the bf16 weights in registers. Without it, torch's product for
+  up to two rows, oneDNN past that.
+- bf16 with avx512_bf16 (no AMX): cpu_gemm for one row (whose neighbouring ops it also fuses),
+  cpu_gemm_bf16.c on weights packed for it past that; with AMX, oneDNN's product, which takes AMX.
+- fp32: cpu_gemm (for one row only where the CPU has avx512f, oneDNN past it). fp16 with bf16 instructions:
+  torch's own product.
+A half-precision product is rounded to the model's dtype once, as a bf16 matmul rounds its fp32 accumulator.
+The packed and the reordered copies are made at a weight's first use; a model keeps one of them beside its
+own weights. The measurements behind these choices are in bench/RESULTS.md ("Matmul routes by CPU").
 """
 
 import math
