@@ -668,6 +668,10 @@ static tile_fn tile_for(int type) {
 int pagedchat_quant_linear(const void *x, int kind, int64_t M, int64_t K, const void *w, int type, int64_t N,
                            float *y, int64_t ldy, int threads) {
     if (M <= 0 || N <= 0) return 0;
+    if (K <= 0) {  /* empty sums */
+        for (int64_t m = 0; m < M; m++) memset(y + m * ldy, 0, sizeof(float) * N);
+        return 0;
+    }
     const int qb = block_values(type);
     const int64_t row_bytes = K / qb * block_bytes(type);
     acts a = {.K = K};

@@ -190,6 +190,13 @@ def test_what_is_supported() -> None:
     assert not quant.supported(GGMLQuantizationType.Q2_K) and not quant.supported(GGMLQuantizationType.F16)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_empty_shapes(isa: str) -> None:
+    weight = torch.zeros(3, 0, dtype=torch.uint8)
+    assert torch.equal(quant.linear(torch.ones(2, 0), weight, GGMLQuantizationType.Q4_K, 0, isa=isa), torch.zeros(2, 3))
+    assert quant.linear(torch.ones(0, 0), weight, GGMLQuantizationType.Q4_K, 0, isa=isa).shape == (0, 3)
+
+
 def test_refuses_what_it_cannot_multiply() -> None:
     raw = torch.zeros(4, 34, dtype=torch.uint8)  # 4 rows of one Q8_0 block
     x = torch.zeros(2, 32)
