@@ -4,6 +4,7 @@
     python -m bench.peers setup --only llama     # once
     python -m bench.gguf_bench                   # 1B Q4_K_M and Q8_0; its section goes into bench/RESULTS.md
     python -m bench.gguf_bench --shapes 1b 3b --types Q4_K_M --rounds 3
+    python -m bench.gguf_bench --shapes --default-model  # the default model's own Q4_1 file alone
 
 Workloads (bench/peer_timing.py): one chat (a 43-token chat prompt, 128 new tokens: decode tokens/s) and 16
 chats x 64 new tokens at once (llama-server with 16 slots); KV for 4,096 tokens in each engine; greedy, EOS
@@ -34,6 +35,12 @@ def job_for(path: Path, threads: int, rounds: int) -> dict:
     return job
 
 
+def default_model() -> Path:
+    from pagedchat.engine.loading import loader
+
+    return loader.default_model_file()
+
+
 def cache_bytes() -> int:
     """What pagedchat keeps under its cache folder, the bench's own peers and models aside."""
     root = peers.peers_dir().parent
@@ -42,7 +49,7 @@ def cache_bytes() -> int:
 
 
 def run(shape: str, file_type: str, threads: int, rounds: int, alternations: int) -> dict:
-    path = models.build(shape, file_type)
+    path = default_model() if shape == "default" else models.build(shape, file_type)
     job = job_for(path, threads, rounds)
     runs: dict[str, list[dict]] = {"pagedchat": [], "llama.cpp": []}
     before = cache_bytes()
@@ -102,8 +109,9 @@ def section(args, measured: dict, seconds: float) -> Section:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=["1b"], choices=tuple(models.SHAPES))
+    parser.add_argument("--shapes", nargs="*", default=["1b"], choices=tuple(models.SHAPES))
     parser.add_argument("--types", nargs="+", default=list(models.TYPES))
+    parser.add_argument("--default-model", action="store_true", help="also the default model's shipped Q4_1 file")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--alternations", type=int, default=2)
@@ -112,8 +120,10 @@ def main(argv: list[str] | None = None) -> None:
     if not peers.llama_ready():
         raise SystemExit("llama.cpp is not built: python -m bench.peers setup --only llama")
     started = time.monotonic()
+    files = [(shape, file_type) for shape in args.shapes for file_type in args.types]
+    files += [("default", "Q4_1")] if args.default_model else []
     measured = {(shape, file_type): run(shape, file_type, args.threads, args.rounds, args.alternations)
-                for shape in args.shapes for file_type in args.types}
+                for shape, file_type in files}
     markdown = section(args, measured, time.monotonic() - started).markdown()
     print(markdown)
     if not args.no_write:
