@@ -60,8 +60,7 @@ class LocalEngine:
     attached = None
 
     def __init__(self, load_llm: Callable[[], object], model_name: str, on_command: Callable[[], None],
-                 on_engine: Callable[[object, EngineThread], None] | None = None,
-                 notify: Callable[..., None] | None = None) -> None:
+                 on_engine: Callable[[object, EngineThread], None] | None = None) -> None:
         self.loading = (model_name, "loading")
         self.chat: LocalChat | None = None
         self.engine = None  # the LLMEngine, the thread's alone once it runs: tests touch it only while it idles
@@ -70,7 +69,6 @@ class LocalEngine:
         self._load_llm = load_llm
         self._on_command = on_command
         self._on_engine = on_engine
-        self._notify = notify
 
     async def open(self) -> None:
         # The loading runs in a thread and the result comes back here by await, not by
@@ -86,9 +84,6 @@ class LocalEngine:
         self.worker = EngineThread(self.engine, on_command=self._on_command)
         self.worker.start()
         self.chat = LocalChat(self.worker, self.tokenizer, self.engine.config.max_model_len)
-        if self._notify is not None:  # which products and attention run here, and any C kernel that did not build
-            plan = self.engine.runner.plan
-            self._notify(plan.describe(), title="kernel plan", severity="warning" if plan.problems else "information")
         if self._on_engine is not None:
             self._on_engine(llm, self.worker)
 
