@@ -81,7 +81,7 @@ class PagedChatApp(App):
 
             self.source = Attached(attach, on_text=self.redraw_panel)
         else:
-            self.source = LocalEngine(load_llm, model_name, on_command=self._wake, on_engine=on_engine)
+            self.source = LocalEngine(load_llm, model_name, self._wake, on_engine, notify=self.notify)
         self.teaching = TeachingMode(self, self.source)
         self.demo = DemoDriver(self, demo)
         self.tabs = ChatTabs(self, params)

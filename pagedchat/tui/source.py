@@ -60,7 +60,8 @@ class LocalEngine:
     attached = None
 
     def __init__(self, load_llm: Callable[[], object], model_name: str, on_command: Callable[[], None],
-                 on_engine: Callable[[object, EngineThread], None] | None = None) -> None:
+                 on_engine: Callable[[object, EngineThread], None] | None = None,
+                 notify: Callable[..., None] | None = None) -> None:
         self.loading = (model_name, "loading")
         self.chat: LocalChat | None = None
         self.engine = None  # the LLMEngine, the thread's alone once it runs: tests touch it only while it idles
@@ -69,6 +70,7 @@ class LocalEngine:
         self._load_llm = load_llm
         self._on_command = on_command
         self._on_engine = on_engine
+        self._notify = notify
 
     async def open(self) -> None:
         # The loading runs in a thread and the result comes back here by await, not by
@@ -84,6 +86,10 @@ class LocalEngine:
         self.worker = EngineThread(self.engine, on_command=self._on_command)
         self.worker.start()
         self.chat = LocalChat(self.worker, self.tokenizer, self.engine.config.max_model_len)
+        # which products and attention run here, and any C kernel that could not be built, with why
+        plan = getattr(getattr(self.engine, "runner", None), "plan", None)  # None: a stand-in engine (tests)
+        if self._notify is not None and plan is not None:
+            self._notify(plan.describe(), title="kernel plan", severity="warning" if plan.problems else "information")
         if self._on_engine is not None:
             self._on_engine(llm, self.worker)
 

@@ -29,5 +29,7 @@ async def reply_done(pilot, *panes) -> None:
                      what="the replies")
 
 
-def notices(app: PagedChatApp) -> list[str]:
-    return [n.message for n in app._notifications]
+def notices(app: PagedChatApp, title: str | None = None) -> list[str]:
+    """The app's notices with this title; by default all but the kernel plan's, which every load shows."""
+    return [n.message for n in app._notifications
+            if (n.title == title if title is not None else n.title != "kernel plan")]

@@ -434,6 +434,8 @@ async def test_demo_tabs_chat_by_themselves(tiny_model):
                          what="shared prompt blocks")
         await app.run_action("toggle_demo")
         assert not app.demo.on
+        # the kernel plan, said once the model has loaded
+        assert notices(app, title="kernel plan") == [app.source.engine.runner.plan.describe()]
 
 
 @async_test
