@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #if defined(__AVX2__)
 #include "avx2.h"
 #else
@@ -663,6 +665,48 @@ static tile_fn tile_for(int type) {
     }
 }
 
+/* The scratch of x quantized for `type`: M rows of K */
+static int acts_alloc(acts *a, int64_t M, int64_t K, int type) {
+    const int qb = block_values(type);
+    a->K = K;
+    a->q = malloc(M * K + sizeof(float) * (M * K / qb + M * K / 32) + sizeof(int16_t) * (M * K / 16));
+    if (a->q == NULL) return 1;
+    a->d = (float *)(a->q + M * K);
+    a->ds = a->d + M * K / qb;
+    a->sums16 = (int16_t *)(a->ds + M * K / 32);
+    return 0;
+}
+
+/* y [M, N] (rows ldy apart) = x @ w^T, w N rows of `type`'s blocks, x's M rows as `a` holds them quantized */
+typedef struct {
+    const uint8_t *w;
+    int type;
+    int64_t N;
+    const acts *a;
+    float *y;
+    int64_t ldy;
+} product;
+
+/* Called by every thread of a parallel region: each takes its own contiguous share of each product's rows, in
+ * tiles of about TILE_BYTES, so that a weight streams from memory once and the threads finish together. The
+ * caller puts a barrier after it before reading y. */
+static void run_products(const product *p, int count, int64_t M) {
+    const int threads = omp_get_num_threads(), me = omp_get_thread_num();
+    for (int i = 0; i < count; i++) {
+        const int64_t row_bytes = p[i].a->K / block_values(p[i].type) * block_bytes(p[i].type);
+        const int64_t share = (p[i].N + threads - 1) / threads, begin = me * share;
+        const int64_t end = begin + share < p[i].N ? begin + share : p[i].N;
+        const int64_t tile_rows = TILE_BYTES / row_bytes > 4 ? TILE_BYTES / row_bytes : 4;
+        const tile_fn tile = tile_for(p[i].type);
+        for (int64_t n0 = begin; n0 < end; n0 += tile_rows) {
+            const int64_t rows = n0 + tile_rows < end ? tile_rows : end - n0;
+            for (int64_t m0 = 0; m0 < M; m0 += MR)
+                tile(p[i].w + n0 * row_bytes, row_bytes, rows, p[i].a, m0, M - m0 < MR ? M - m0 : MR,
+                     p[i].y + m0 * p[i].ldy + n0, p[i].ldy);
+        }
+    }
+}
+
 /* y [M, N] (rows ldy apart) = x [M, K] (kind) @ w [N, K]^T, w N rows of `type`'s blocks; K a multiple of the
  * type's block. The caller checks the type and the shapes. 0, or 1 where the scratch for x could not be had. */
 int pagedchat_quant_linear(const void *x, int kind, int64_t M, int64_t K, const void *w, int type, int64_t N,
@@ -672,33 +716,190 @@ int pagedchat_quant_linear(const void *x, int kind, int64_t M, int64_t K, const 
         for (int64_t m = 0; m < M; m++) memset(y + m * ldy, 0, sizeof(float) * N);
         return 0;
     }
-    const int qb = block_values(type);
-    const int64_t row_bytes = K / qb * block_bytes(type);
-    acts a = {.K = K};
-    a.q = malloc(M * K + sizeof(float) * (M * K / qb + M * K / 32) + sizeof(int16_t) * (M * K / 16));
-    if (a.q == NULL) return 1;
-    a.d = (float *)(a.q + M * K);
-    a.ds = a.d + M * K / qb;
-    a.sums16 = (int16_t *)(a.ds + M * K / 32);
-    /* tiles of about TILE_BYTES, as many for each thread */
-    const int64_t per_thread = (N + threads - 1) / threads;
-    int64_t tile_rows = TILE_BYTES / row_bytes > 4 ? TILE_BYTES / row_bytes : 4;
-    const int64_t tiles = threads * ((per_thread + tile_rows - 1) / tile_rows);
-    tile_rows = (N + tiles - 1) / tiles;
-    const tile_fn tile = tile_for(type);
+    acts a;
+    if (acts_alloc(&a, M, K, type)) return 1;
+    const product p = {w, type, N, &a, y, ldy};
     #pragma omp parallel num_threads(threads)
     {
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) quantize_acts(x, kind, m, &a, type);
-        #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            const int64_t n0 = t * tile_rows, rows = n0 + tile_rows < N ? tile_rows : N - n0;
-            for (int64_t m0 = 0; rows > 0 && m0 < M; m0 += MR)
-                tile((const uint8_t *)w + n0 * row_bytes, row_bytes, rows, &a, m0, M - m0 < MR ? M - m0 : MR,
-                     y + m0 * ldy + n0, ldy);
-        }
+        run_products(&p, 1, M);
     }
     free(a.q);
+    return 0;
+}
+
+/* ---- a layer's products with the row ops around them, in one call and one parallel region ----
+ * A decode step of a small model spends more in the calls around its products (one each, with the Python
+ * and the thread wake-up each costs) than in the products; these two take a layer in two calls, beside the
+ * attention. fp32 throughout, as the model computes on a GGUF. */
+
+static void rms_norm_row(const float *x, const float *weight, float eps, int64_t K, float *out) {
+    float lanes[8] = {0}, squares = 0.0f;  /* eight sums the compiler keeps in one vector */
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8)
+        for (int j = 0; j < 8; j++) lanes[j] += x[k + j] * x[k + j];
+    for (; k < K; k++) squares += x[k] * x[k];
+    for (int j = 0; j < 8; j++) squares += lanes[j];
+    const float inverse = 1.0f / sqrtf(squares / (float)K + eps);
+    for (k = 0; k < K; k++) out[k] = weight[k] * (x[k] * inverse);
+}
+
+static void silu_mul_row(const float *gate, const float *up, int64_t K, float *out) {
+    int64_t k = 0;
+#if defined(__AVX2__)
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; k + 8 <= K; k += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + k);
+        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        _mm256_storeu_ps(out + k, _mm256_mul_ps(silu, _mm256_loadu_ps(up + k)));
+    }
+#endif
+    for (; k < K; k++) out[k] = gate[k] / (1.0f + expf(-gate[k])) * up[k];
+}
+
+/* x quantized once for each distinct type of a call's products: a[slot[i]] is the scratch of their i-th type */
+typedef struct { acts a[3]; int type[3], slot[3], used; } act_set;
+
+static int act_set_alloc(act_set *s, const int *types, int count, int64_t M, int64_t K) {
+    s->used = 0;
+    for (int i = 0; i < count; i++) {
+        int u = 0;
+        while (u < s->used && s->type[u] != types[i]) u++;
+        s->slot[i] = u;
+        if (u == s->used) {
+            s->type[s->used++] = types[i];
+            if (acts_alloc(&s->a[u], M, K, types[i])) {
+                s->used--;
+                return 1;
+            }
+        }
+    }
+    return 0;
+}
+
+static void act_set_quantize(act_set *s, const float *x, int64_t m) {
+    for (int u = 0; u < s->used; u++) quantize_acts(x, KIND_FP32, m, &s->a[u], s->type[u]);
+}
+
+static void act_set_free(act_set *s) {
+    for (int u = 0; u < s->used; u++) free(s->a[u].q);
+}
+
+/* y [M, nq + nk + nv] = q, k, v of rms_norm(x) (x [M, K]), plus bias where given; then each head of q and k
+ * normed by q_norm or k_norm [head_dim] where given (Qwen3), and rotated by its row's cos and sin_signed
+ * [M, head_dim] as transformers rotates it. `interleaved`: q's and k's rows are in llama.cpp's order, each
+ * head's two rotary halves interleaved (its row 2i + j is transformers' row j * head_dim / 2 + i); y is in
+ * transformers' order all the same, as are the bias and the norms. */
+int pagedchat_quant_qkv(const float *x, int64_t M, int64_t K, const float *norm_weight, float eps,
+                        const void *wq, int tq, int64_t nq, const void *wk, int tk, int64_t nk, const void *wv,
+                        int tv, int64_t nv, const float *bias, const float *q_norm, const float *k_norm,
+                        const float *cos, const float *sin_signed, int64_t head_dim, int interleaved, float *y,
+                        int threads) {
+    const int types[3] = {tq, tk, tv};
+    const int64_t N = nq + nk + nv, rotated = nq + nk, half = head_dim / 2;
+    act_set s = {.used = 0};
+    float *normed = malloc(sizeof(float) * M * K), *file = interleaved ? malloc(sizeof(float) * M * rotated) : y;
+    if (normed == NULL || file == NULL || act_set_alloc(&s, types, 3, M, K)) {
+        act_set_free(&s);
+        free(normed);
+        if (interleaved) free(file);
+        return 1;
+    }
+    const int64_t ldf = interleaved ? rotated : N;
+    const product p[3] = {{wq, tq, nq, &s.a[s.slot[0]], file, ldf}, {wk, tk, nk, &s.a[s.slot[1]], file + nq, ldf},
+                          {wv, tv, nv, &s.a[s.slot[2]], y + rotated, N}};
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            rms_norm_row(x + m * K, norm_weight, eps, K, normed + m * K);
+            act_set_quantize(&s, normed, m);
+        }
+        run_products(p, 3, M);
+        #pragma omp barrier
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            float *row = y + m * N;
+            const float *f = file + m * ldf, *c = cos + m * head_dim, *sn = sin_signed + m * head_dim;
+            if (bias != NULL)
+                for (int64_t n = rotated; n < N; n++) row[n] += bias[n];
+            float head[512];  /* a head in transformers' order, before its rotary (head_dim <= 512) */
+            for (int64_t h = 0; h < rotated; h += head_dim) {
+                for (int64_t i = 0; i < half; i++) {
+                    const int64_t a_at = interleaved ? h + 2 * i : h + i, b_at = interleaved ? a_at + 1 : a_at + half;
+                    head[i] = f[a_at] + (bias != NULL ? bias[h + i] : 0.0f);
+                    head[i + half] = f[b_at] + (bias != NULL ? bias[h + i + half] : 0.0f);
+                }
+                const float *norm = h < nq ? q_norm : k_norm;
+                if (norm != NULL) rms_norm_row(head, norm, eps, head_dim, head);
+                for (int64_t i = 0; i < half; i++) {
+                    const float a = head[i], b = head[i + half];
+                    row[h + i] = a * c[i] + b * sn[i];
+                    row[h + i + half] = b * c[i + half] + a * sn[i + half];
+                }
+            }
+        }
+    }
+    act_set_free(&s);
+    free(normed);
+    if (interleaved) free(file);
+    return 0;
+}
+
+/* The rest of a layer after its attention, on residual [M, H] in place: residual += o_proj(attention [M, A]) +
+ * o_bias (where given); then residual += down(silu(gate(h)) * up(h)), h = rms_norm(residual). gate and up:
+ * [I, H], down: [H, I]. */
+int pagedchat_quant_mlp(float *residual, const float *attention, int64_t M, int64_t H, int64_t A, const void *wo,
+                        int to, const float *o_bias, const float *norm_weight, float eps, const void *wg, int tg,
+                        const void *wu, int tu, int64_t I, const void *wd, int td, int threads) {
+    const int gate_up_types[2] = {tg, tu};
+    act_set s_o = {.used = 0}, s_gu = {.used = 0}, s_d = {.used = 0};
+    float *scratch = malloc(sizeof(float) * M * (2 * H + 3 * I));
+    int failed = scratch == NULL || act_set_alloc(&s_o, &to, 1, M, A) ||
+                 act_set_alloc(&s_gu, gate_up_types, 2, M, H) || act_set_alloc(&s_d, &td, 1, M, I);
+    if (failed) {
+        act_set_free(&s_o);
+        act_set_free(&s_gu);
+        act_set_free(&s_d);
+        free(scratch);
+        return 1;
+    }
+    float *out = scratch, *normed = out + M * H, *gate_up = normed + M * H, *hidden = gate_up + M * 2 * I;
+    const product o = {wo, to, H, &s_o.a[0], out, H};
+    const product gu[2] = {{wg, tg, I, &s_gu.a[s_gu.slot[0]], gate_up, 2 * I},
+                           {wu, tu, I, &s_gu.a[s_gu.slot[1]], gate_up + I, 2 * I}};
+    const product d = {wd, td, H, &s_d.a[0], out, H};
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) act_set_quantize(&s_o, attention, m);
+        run_products(&o, 1, M);
+        #pragma omp barrier
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            float *r = residual + m * H;
+            for (int64_t n = 0; n < H; n++) r[n] += out[m * H + n] + (o_bias != NULL ? o_bias[n] : 0.0f);
+            rms_norm_row(r, norm_weight, eps, H, normed + m * H);
+            act_set_quantize(&s_gu, normed, m);
+        }
+        run_products(gu, 2, M);
+        #pragma omp barrier
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            silu_mul_row(gate_up + m * 2 * I, gate_up + m * 2 * I + I, I, hidden + m * I);
+            act_set_quantize(&s_d, hidden, m);
+        }
+        run_products(&d, 1, M);
+        #pragma omp barrier
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < H; n++) residual[m * H + n] += out[m * H + n];
+    }
+    act_set_free(&s_o);
+    act_set_free(&s_gu);
+    act_set_free(&s_d);
+    free(scratch);
     return 0;
 }
 

@@ -70,6 +70,84 @@ def linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, depth: int, ou
     return out
 
 
+Matrix = tuple[torch.Tensor, int]  # (uint8 [N, row_bytes] of a GGUF tensor, its ggml_type)
+
+
+class AttentionInputs:
+    """A layer's q, k and v from the residual stream entering it, in one call: rms_norm, the three products, the
+    bias, the norm of each head of q and k where given (Qwen3) and their rotary (`pagedchat_quant_qkv`). Its
+    weights are checked once, here; `interleaved`: q and k are a llama.cpp file's, each head's rotary halves
+    interleaved, and come out in transformers' order (as the bias and the norms must be given)."""
+
+    def __init__(self, norm_weight: torch.Tensor, eps: float, q: Matrix, k: Matrix, v: Matrix,
+                 bias: torch.Tensor | None, head_dim: int, interleaved: bool,
+                 head_norms: tuple[torch.Tensor, torch.Tensor] | None = None, isa: str | None = None):
+        if head_dim % 2 or not 0 < head_dim <= 512:
+            raise ValueError(f"head_dim must be even and at most 512, not {head_dim}")
+        self.depth = norm_weight.numel()
+        for weight, ggml_type in (q, k, v):
+            _check_weight(weight, ggml_type, self.depth)
+        self.width = q[0].shape[0] + k[0].shape[0] + v[0].shape[0]
+        _check_vector(norm_weight, self.depth)
+        if bias is not None:
+            _check_vector(bias, self.width)
+        for norm in head_norms or ():
+            _check_vector(norm, head_dim)
+        self.keep = (norm_weight, q, k, v, bias, head_norms)  # the tensors whose pointers the call takes
+        self.head_dim = head_dim
+        self.fn = _kernel("pagedchat_quant_qkv", _isa(isa))
+        self.args = (norm_weight.data_ptr(), eps, q[0].data_ptr(), q[1], q[0].shape[0], k[0].data_ptr(), k[1],
+                     k[0].shape[0], v[0].data_ptr(), v[1], v[0].shape[0], native.pointer(bias),
+                     *(native.pointer(norm) for norm in head_norms or (None, None)))
+        self.interleaved = int(interleaved)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """fp32 [M, width] from x fp32 [M, depth] and each row's rotary tables, fp32 [M, head_dim]."""
+        rows = x.shape[0]
+        _check_rows(x, rows, self.depth)
+        _check_rows(cos, rows, self.head_dim)
+        _check_rows(sin_signed, rows, self.head_dim)
+        y = torch.empty(rows, self.width, dtype=torch.float32)
+        if rows:
+            self.fn(x.data_ptr(), rows, self.depth, *self.args, cos.data_ptr(), sin_signed.data_ptr(),
+                    self.head_dim, self.interleaved, y.data_ptr(), torch.get_num_threads())
+        return y
+
+
+class Mlp:
+    """The rest of a layer after its attention, in one call (`pagedchat_quant_mlp`): residual += o_proj(attention)
+    + o_bias, then residual += down(silu(gate(h)) * up(h)) with h = rms_norm(residual). Checked once, here."""
+
+    def __init__(self, o: Matrix, o_bias: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                 gate: Matrix, up: Matrix, down: Matrix, isa: str | None = None):
+        self.hidden, self.inner = norm_weight.numel(), gate[0].shape[0]
+        self.attention_width = _depth(o)
+        _check_weight(o[0], o[1], self.attention_width)
+        for weight, ggml_type in (gate, up):
+            _check_weight(weight, ggml_type, self.hidden)
+        _check_weight(down[0], down[1], self.inner)
+        if o[0].shape[0] != self.hidden or up[0].shape[0] != self.inner or down[0].shape[0] != self.hidden:
+            raise ValueError(f"the MLP's shapes do not chain: o {tuple(o[0].shape)}, gate {tuple(gate[0].shape)}, "
+                             f"up {tuple(up[0].shape)}, down {tuple(down[0].shape)} for hidden {self.hidden}")
+        _check_vector(norm_weight, self.hidden)
+        if o_bias is not None:
+            _check_vector(o_bias, self.hidden)
+        self.keep = (o, o_bias, norm_weight, gate, up, down)
+        self.fn = _kernel("pagedchat_quant_mlp", _isa(isa))
+        self.args = (o[0].data_ptr(), o[1], native.pointer(o_bias), norm_weight.data_ptr(), eps, gate[0].data_ptr(),
+                     gate[1], up[0].data_ptr(), up[1], self.inner, down[0].data_ptr(), down[1])
+
+    def __call__(self, residual: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """`residual` (fp32 [M, hidden], contiguous) updated in place and returned; attention fp32 [M, width]."""
+        rows = residual.shape[0]
+        _check_rows(residual, rows, self.hidden)
+        _check_rows(attention, rows, self.attention_width)
+        if rows:
+            self.fn(residual.data_ptr(), attention.data_ptr(), rows, self.hidden, self.attention_width, *self.args,
+                    torch.get_num_threads())
+        return residual
+
+
 def dequantize_rows(weight: torch.Tensor, ggml_type: int, depth: int, rows: torch.Tensor) -> torch.Tensor:
     """fp32 [len(rows), depth]: rows `rows` (integers) of W, as gguf's dequantizer gives them."""
     _check_weight(weight, ggml_type, depth)
@@ -112,3 +190,22 @@ def _check_weight(weight: torch.Tensor, ggml_type: int, depth: int) -> None:
             or not weight.is_contiguous() or not weight.is_cpu):
         raise ValueError(f"weight must be a contiguous CPU uint8 tensor [N, {expected}], not {weight.dtype} "
                          f"{tuple(weight.shape)}")
+
+
+def _depth(matrix: Matrix) -> int:
+    """The values in a row of `matrix`, from its row bytes."""
+    weight, ggml_type = matrix
+    block, size = _block(ggml_type)
+    return weight.shape[-1] // size * block
+
+
+def _check_vector(vector: torch.Tensor, length: int) -> None:
+    if vector.dtype != torch.float32 or vector.shape != (length,) or not vector.is_contiguous() or not vector.is_cpu:
+        raise ValueError(f"expected a contiguous CPU fp32 vector of {length}, not {vector.dtype} {tuple(vector.shape)}")
+
+
+def _check_rows(x: torch.Tensor, rows: int, width: int) -> None:
+    """A call's per-step tensors: these are read as fp32 [rows, width], contiguous."""
+    if x.dtype != torch.float32 or x.shape != (rows, width) or not x.is_contiguous() or not x.is_cpu:
+        raise ValueError(f"expected a contiguous CPU fp32 [{rows}, {width}], not {x.dtype} {tuple(x.shape)}"
+                         f"{'' if x.is_contiguous() else ' (not contiguous)'}")

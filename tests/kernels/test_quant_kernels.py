@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedchat.kernels import quant
+from support.quant import random_weight
 
 ISAS = quant.available_isas()
 TYPES = sorted(quant.TYPES)
@@ -26,24 +27,6 @@ SEEDS = st.integers(0, 2**32 - 1)
 FP32_RELATIVE = 1e-4  # of the sum of |terms|: fp32 accumulation over at most a few thousand terms, with margin
 
 pytestmark = pytest.mark.skipif(not ISAS, reason="cpu_quant.c could not be built here")
-
-
-def random_weight(rng: np.random.Generator, ggml_type: int, rows: int, depth: int) -> np.ndarray:
-    """uint8 [rows, row_bytes] of valid blocks: random bytes for the quantized values and sub-block scales,
-    finite fp16 scales (d, and dmin or Q4_1's m) of the sizes real models have."""
-    block, size = GGML_QUANT_SIZES[ggml_type]
-    raw = rng.integers(0, 256, size=(rows, depth // block, size), dtype=np.uint8)
-
-    def put(offset: int, low: float, high: float) -> None:
-        values = rng.uniform(low, high, size=raw.shape[:2]).astype(np.float16)
-        raw[..., offset:offset + 2] = values.view(np.uint8).reshape(*raw.shape[:2], 2)
-
-    put(size - 2 if ggml_type == GGMLQuantizationType.Q6_K else 0, 1e-3, 2e-2)  # d
-    if ggml_type == GGMLQuantizationType.Q4_1:
-        put(2, -0.2, 0.2)  # m
-    elif ggml_type in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
-        put(2, 1e-3, 2e-2)  # dmin
-    return raw.reshape(rows, -1)
 
 
 def quantized_x(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:

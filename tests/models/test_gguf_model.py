@@ -11,7 +11,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from transformers import AutoModelForCausalLM
 
 from pagedchat import LLM, SamplingParams
-from pagedchat.engine.layers.quantized import ColumnProduct, QuantizedWeight
+from pagedchat.engine.layers.quantized import ColumnProduct, QuantizedLayer, QuantizedWeight
 from pagedchat.engine.loading import gguf as gguf_loading
 from pagedchat.engine.loading import loader
 from pagedchat.kernels import AttentionMetadata, quant, torch_ops
@@ -272,6 +272,9 @@ def test_sibling_products_are_not_concatenated(tiny_gguf):
     assert isinstance(layer.qkv, ColumnProduct) and len(layer.qkv.parts) == 3
     assert isinstance(layer.gate_up, ColumnProduct) and len(layer.gate_up.parts) == 2
     assert llm.engine.runner.kv_caches[0][0].dtype == torch.float32
+    # all but the attention in two C calls where every matrix is quantized; the last layer has an F16 and a
+    # dequantized matrix, and runs product by product (the logits' tests above cover both)
+    assert isinstance(layer.quantized, QuantizedLayer) and llm.engine.runner.lean.layers[-1].quantized is None
 
 
 def test_the_header_is_read_as_gguf_reads_it(tiny_gguf):

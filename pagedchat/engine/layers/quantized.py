@@ -1,6 +1,8 @@
 """Weights as a GGUF file holds them: a quantized matrix is its rows of blocks where the file lies (mapped), and
 the products of sibling matrices (q/k/v, gate/up) write into column slices of one output instead of being fused
-by concatenating their weights, which would copy them."""
+by concatenating their weights, which would copy them. A layer whose matrices are all quantized runs, but for
+its attention, in two calls (`QuantizedLayer`): a step of a small model spends more in the calls around its
+products than in them."""
 
 from dataclasses import dataclass
 
@@ -70,3 +72,28 @@ def _plain_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if cpu_gemm.kernel() is not None and cpu_gemm.supports(x, weight):
         return cpu_gemm.linear(x, weight)
     return F.linear(x.to(weight.dtype), weight)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedLayer:
+    """A layer's ops before and after its attention, each one call of cpu_quant.c (kernels/quant.py)."""
+
+    attention_inputs: quant.AttentionInputs  # (residual, cos, sin_signed) -> q|k|v rotated, transformers' order
+    mlp: quant.Mlp  # (residual, attention) -> the residual leaving the layer, updated in place
+
+    @classmethod
+    def of(cls, input_norm: torch.Tensor, qkv: "ColumnProduct", qkv_bias: torch.Tensor | None,
+           head_norms: tuple[torch.Tensor, torch.Tensor] | None, o: "ColumnProduct", o_bias: torch.Tensor | None,
+           post_norm: torch.Tensor, gate_up: "ColumnProduct", down: "ColumnProduct", eps: float
+           ) -> "QuantizedLayer | None":
+        """The layer in two calls where every matrix is quantized (as the products take it) and the vectors are
+        fp32; else None, and the layer runs product by product."""
+        matrices = (*qkv.parts, *o.parts, *gate_up.parts, *down.parts)
+        if (len(matrices) != 7 or not all(isinstance(m, QuantizedWeight) for m in matrices)
+                or any(v is not None and v.dtype != torch.float32
+                       for v in (input_norm, post_norm, qkv_bias, o_bias, *(head_norms or ())))):
+            return None
+        q, k, v, out, gate, up, down_ = ((m.data, m.ggml_type) for m in matrices)
+        interleaved = qkv.interleaved_heads > 0
+        return cls(quant.AttentionInputs(input_norm, eps, q, k, v, qkv_bias, qkv.head_dim, interleaved, head_norms),
+                   quant.Mlp(out, o_bias, post_norm, eps, gate, up, down_))

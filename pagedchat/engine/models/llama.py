@@ -9,7 +9,8 @@ computed once by the model's own rotary module (so every rope scaling of fixed f
 q and k are rotated together, and the vocabulary projection runs only on the rows that are sampled.
 Norms, rotary and the MLP's activation are transformers' formulas, so greedy fp32 output equals HF
 `generate` token for token. On a GGUF's quantized matrices the products are cpu_quant.c's (8-bit activations)
-and the model computes in fp32 (loading/gguf.py says why).
+and the model computes in fp32 (loading/gguf.py says why); a layer whose matrices are all quantized runs its
+ops before and after the attention in one C call each (layers/quantized.py's QuantizedLayer).
 """
 
 import importlib
@@ -22,7 +23,7 @@ from torch import nn
 
 from pagedchat.engine.layers.ops import LayerOps
 from pagedchat.engine.layers.plan import KernelPlan, torch_plan
-from pagedchat.engine.layers.quantized import ColumnProduct, QuantizedWeight
+from pagedchat.engine.layers.quantized import ColumnProduct, QuantizedLayer, QuantizedWeight
 from pagedchat.engine.loading import gguf
 from pagedchat.engine.loading.gguf import GgufModel
 from pagedchat.kernels import AttentionMetadata, torch_ops
@@ -44,6 +45,7 @@ class LeanLayer:
     gate_up_bias: torch.Tensor | None
     down: Weight
     down_bias: torch.Tensor | None
+    quantized: QuantizedLayer | None = None  # all but the attention in two C calls, where every matrix is quantized
 
 
 class LlamaModel:
@@ -110,13 +112,19 @@ class LlamaModel:
         for i in range(config.num_hidden_layers):
             b = f"blk.{i}."
             qkv = [b + "attn_q.", b + "attn_k.", b + "attn_v."]
-            layers.append(LeanLayer(
+            layer = LeanLayer(
                 tensors[b + "attn_norm.weight"], matrix(*(n + "weight" for n in qkv), interleaved=interleaved),
                 vector(*(n + "bias" for n in qkv), columns=order),
                 tensors.get(b + "attn_q_norm.weight"), tensors.get(b + "attn_k_norm.weight"),
                 matrix(b + "attn_output.weight"), vector(b + "attn_output.bias"), tensors[b + "ffn_norm.weight"],
                 matrix(b + "ffn_gate.weight", b + "ffn_up.weight"), None, matrix(b + "ffn_down.weight"), None,
-            ))
+            )
+            if model.in_place and model.dtype == torch.float32:
+                head_norms = None if layer.q_norm is None else (layer.q_norm, layer.k_norm)
+                layer.quantized = QuantizedLayer.of(layer.input_norm, layer.qkv, layer.qkv_bias, head_norms,
+                                                    layer.o_proj, layer.o_bias, layer.post_norm, layer.gate_up,
+                                                    layer.down, config.rms_norm_eps)
+            layers.append(layer)
         embed = tensors["token_embd.weight"]
         lm_head = matrix("output.weight" if "output.weight" in tensors else "token_embd.weight")
         return cls(config, embed, tensors["output_norm.weight"], lm_head, layers,
@@ -161,6 +169,8 @@ class LlamaModel:
     def attention_inputs(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: LeanLayer,
                          ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, Hq, D] and k [T, Hkv, D] rotated, v [T, Hkv, D], from the residual stream entering a layer."""
+        if layer.quantized is not None:
+            return self.split_heads(layer.quantized.attention_inputs(residual, cos, sin))
         qkv = ops.norm_matmul(residual, layer.input_norm, self.eps, layer.qkv, layer.qkv_bias,
                               (cos, sin, self.num_heads + self.num_kv_heads))
         return self.split_heads(qkv)
@@ -175,6 +185,8 @@ class LlamaModel:
     def mlp(self, attention_out: torch.Tensor, residual: torch.Tensor, layer: LeanLayer, ops: LayerOps
             ) -> torch.Tensor:
         """The residual stream leaving a layer: + o_proj(attention), then + the MLP of its norm."""
+        if layer.quantized is not None:
+            return layer.quantized.mlp(residual, attention_out.flatten(1))
         residual = ops.matmul(attention_out.flatten(1), layer.o_proj, layer.o_bias, residual)
         gate_up = ops.norm_matmul(residual, layer.post_norm, self.eps, layer.gate_up, layer.gate_up_bias)
         return ops.silu_matmul(gate_up, layer.down, layer.down_bias, residual)

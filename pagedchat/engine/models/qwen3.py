@@ -11,6 +11,8 @@ from pagedchat.engine.models.llama import LeanLayer, LlamaModel
 class Qwen3Model(LlamaModel):
     def attention_inputs(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: LeanLayer,
                          ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if layer.quantized is not None:  # its call norms the heads too
+            return super().attention_inputs(residual, cos, sin, layer, ops)
         qkv = ops.norm_matmul(residual, layer.input_norm, self.eps, layer.qkv, layer.qkv_bias)
         q, k, v = self.split_heads(qkv)
         qk = rotate(torch.cat([rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)], dim=1),
