@@ -1,6 +1,8 @@
+import math
 from dataclasses import dataclass
 from types import ModuleType
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -27,6 +29,16 @@ class KVLayout:
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that take memory as they are written: on a CPU, calloc's pages (through numpy), which the OS maps at
+    first touch, so a pool's memory holds the blocks in use, not all it could hold, as with llama.cpp's cache;
+    torch.zeros writes every byte at once."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    return torch.from_numpy(np.zeros(count * dtype.itemsize, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class ModelRunner:
     """Runs one packed step of all scheduled tokens through the lean forward, with paged KV."""
 
@@ -48,10 +60,8 @@ class ModelRunner:
         layout = KVLayout.of(model.config)
         # one block past the pool's: the compiled step's warm-up and padding write and read there
         shape = (num_blocks + 1, block_size, layout.num_kv_heads, layout.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=model.dtype, device=self.device), torch.zeros(shape, dtype=model.dtype, device=self.device))
-            for _ in range(layout.num_layers)
-        ]
+        self.kv_caches = [(untouched_zeros(shape, model.dtype, self.device), untouched_zeros(shape, model.dtype, self.device))
+                          for _ in range(layout.num_layers)]
         self.compiled: CompiledDecode | None = None
         # compiling gains only where the eager step multiplies one row as the compiled one does, by torch's own
         # product; where cpu_gemm or oneDNN takes one row the eager step is the faster (bench/RESULTS.md)
