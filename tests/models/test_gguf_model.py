@@ -1,6 +1,8 @@
 """A GGUF run in place: a tiny Llama whose tensors are of every type the kernels take (and one they do not),
 against transformers' own dequantized load of the same file in fp32."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -287,3 +289,15 @@ def test_the_header_is_read_as_gguf_reads_it(tiny_gguf):
         assert info.shape == tuple(reversed(tensor.shape.tolist()))
     assert header.metadata[f"{header.architecture}.attention.head_count"] == HEADS
     assert header.metadata["tokenizer.ggml.tokens"] == len(byte_tokenizer())  # an array is its length
+
+
+@pytest.mark.parametrize("tiny_gguf", [("llama", 0), ("qwen3", 3)], indirect=True, ids=["llama", "qwen3"])
+def test_a_gguf_runs_without_transformers_model_code(tiny_gguf):
+    """transformers' model code (~170 MB resident, seconds to import) stays out of a process that runs a GGUF:
+    its config, tokenizer and rotary frequencies need none of it."""
+    code = (f"import sys; from pagedchat import LLM; LLM(model={str(tiny_gguf)!r}, device='cpu', num_kv_blocks=32)"
+            ".generate([[5, 6, 7]]); print([m for m in sys.modules if m == 'transformers.modeling_utils' "
+            "or m.startswith('transformers.models.') and '.modeling_' in m and not m.endswith('_auto')])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

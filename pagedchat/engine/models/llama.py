@@ -13,7 +13,6 @@ and the model computes in fp32 (loading/gguf.py says why); a layer whose matrice
 ops before and after the attention in one C call each (layers/quantized.py's QuantizedLayer).
 """
 
-import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -222,16 +221,23 @@ def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def _rotary_tables(config, max_positions: int, model: GgufModel, freq_factors: torch.Tensor | None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [P, D] from the family's own transformers rotary module, built from the config alone (no
-    model). A llama.cpp file of Llama 3 carries its rope scaling as a tensor of factors that divide the
+    """cos and sin [P, D] as the family's transformers rotary module computes them (its default frequencies, or
+    those of the config's rope type by transformers' own ROPE_INIT_FUNCTIONS), from the config alone: the
+    family's modeling module itself would bring all of transformers' model code (~170 MB) into a process that
+    runs a GGUF. A llama.cpp file of Llama 3 carries its rope scaling as a tensor of factors that divide the
     frequencies (`rope_freqs`), as llama.cpp applies them, rather than in its metadata."""
-    from pagedchat.engine.models import REGISTRY  # the registry imports this module
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    family = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
-    architecture = REGISTRY[config.model_type][0]
-    rotary = getattr(family, architecture.removesuffix("ForCausalLM") + "RotaryEmbedding")(config)
+    parameters = config.rope_parameters
+    if parameters["rope_type"] == "default":
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        inv_freq = 1.0 / (parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        scaling = 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[parameters["rope_type"]](config)
     if freq_factors is not None:
-        rotary.inv_freq = rotary.inv_freq / freq_factors.float()
-    positions = torch.arange(max_positions)[None]
-    cos, sin = rotary(torch.zeros(1, dtype=model.dtype), positions)
-    return cos[0].to(model.device), sin[0].to(model.device)
+        inv_freq = inv_freq / freq_factors.float()
+    freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return ((angles.cos() * scaling).to(model.dtype).to(model.device),
+            (angles.sin() * scaling).to(model.dtype).to(model.device))

@@ -1,10 +1,10 @@
 import math
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel
 
 from pagedchat.engine.worker.compiled_decode import CompiledDecode
 from pagedchat.engine import models
@@ -12,6 +12,9 @@ from pagedchat.engine.layers.plan import plan_for
 from pagedchat.engine.loading.gguf import GgufModel
 from pagedchat.engine.core.scheduler import ScheduledSeq
 from pagedchat.kernels import AttentionMetadata, torch_ops
+
+if TYPE_CHECKING:  # transformers' model code is imported only where a model of it is loaded
+    from transformers import PreTrainedModel
 
 
 @dataclass(slots=True)
@@ -42,7 +45,7 @@ def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
 class ModelRunner:
     """Runs one packed step of all scheduled tokens through the lean forward, with paged KV."""
 
-    def __init__(self, model: PreTrainedModel | GgufModel, num_blocks: int, block_size: int, attention_ops: ModuleType,
+    def __init__(self, model: "PreTrainedModel | GgufModel", num_blocks: int, block_size: int, attention_ops: ModuleType,
                  max_model_len: int, compile: bool = False):
         self.model = model
         backend = attention_ops.__name__.rpartition(".")[2].removesuffix("_ops")
