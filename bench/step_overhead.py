@@ -7,7 +7,12 @@ Requests are prefilled first; then every measured step is a pure decode step of 
 step is followed by `kv_snapshot()`, as the app's engine thread does. Times are split into: the model
 call (the lean forward, `LeanModel.forward`, eager: the step is built with compiling off), batch preparation (the rest of
 `runner.forward`: building input tensors), the rest of `step()` (scheduling, KV bookkeeping,
-sampling, detokenising, outputs) and the snapshot.
+sampling, detokenising, outputs) and the snapshot; and the model call into its parts: the attention, the
+logits (final norm and vocabulary projection) and, on a GGUF's quantized layers, each layer's two C calls
+(norm, q/k/v and rotary before the attention; o_proj and the MLP after it).
+
+    python -m bench.step_overhead --model ~/.cache/pagedchat/bench-models/llama-1b-shape.Q4_K_M.gguf \
+        --dtype float32 --running 1 16     # a profile of a 1B Q4_K_M decode step
 """
 
 import cProfile
@@ -15,6 +20,9 @@ import pstats
 from pathlib import Path
 
 from bench.common import Accumulator, Section, Table, arg_parser, start, load_llm, random_requests, stopwatch
+from pagedchat.kernels import quant
+
+PARTS = ("before attention (norm, q/k/v, rotary)", "attention", "after attention (o_proj, MLP)", "logits")
 
 OWN_CODE = (f"{Path('pagedchat', 'engine')}", "kernels")
 
@@ -32,6 +40,11 @@ def decode_steps(llm, running: int, steps: int, prompt: int, profile: cProfile.P
     model = engine.runner.lean
     runner_forward, model_forward = Accumulator(engine.runner.forward), Accumulator(model.forward)
     engine.runner.forward, model.forward = runner_forward, model_forward
+    parts = dict(zip(PARTS, map(Accumulator, (quant.AttentionInputs.__call__, engine.runner.attention_ops.attention,
+                                                quant.Mlp.__call__, model.logits))))
+    quant.AttentionInputs.__call__ = lambda self, *args: parts[PARTS[0]](self, *args)
+    quant.Mlp.__call__ = lambda self, *args: parts[PARTS[2]](self, *args)
+    engine.runner.attention_ops.attention, model.logits = parts[PARTS[1]], parts[PARTS[3]]
     step_time = snapshot_time = 0.0
     try:
         for _ in range(steps):
@@ -42,7 +55,9 @@ def decode_steps(llm, running: int, steps: int, prompt: int, profile: cProfile.P
                 engine.kv_snapshot()
             snapshot_time += t.wall
     finally:
-        del engine.runner.forward, model.forward  # back to the class methods
+        del engine.runner.forward, model.forward, model.logits  # back to the class methods
+        quant.AttentionInputs.__call__, quant.Mlp.__call__ = parts[PARTS[0]].fn, parts[PARTS[2]].fn
+        engine.runner.attention_ops.attention = parts[PARTS[1]].fn
     if profile:  # separate steps: the profiler's own cost must not count in the times above
         profile.enable()
         for _ in range(min(steps, 4)):
@@ -57,6 +72,7 @@ def decode_steps(llm, running: int, steps: int, prompt: int, profile: cProfile.P
         prep=(runner_forward.seconds - model_forward.seconds) / steps,
         rest=(step_time - runner_forward.seconds) / steps, snapshot=snapshot_time / steps,
         outside_runner=1 - runner_forward.seconds / total, outside_model=1 - model_forward.seconds / total,
+        parts={name: timer.seconds / steps for name, timer in parts.items()},
     )
 
 
@@ -81,6 +97,11 @@ def step_overhead_section(model: str | None, dtype: str, running=(1, 32), steps:
     rows = [[r["running"], r["step"] * 1e3, r["model"] * 1e3, r["prep"] * 1e3, r["rest"] * 1e3, r["snapshot"] * 1e3,
              f"{r['outside_runner']:.1%}", f"{r['outside_model']:.1%}"] for r in results]
     profile_table, own_share = own_code_profile(profile)
+    part_rows = [[name] + [r["parts"][name] * 1e3 for r in results] for name in PARTS]
+    part_rows.append(["rest of the model call (embedding, rotary tables, Python)"]
+                     + [(r["model"] - sum(r["parts"].values())) * 1e3 for r in results])
+    parts_table = Table(["part of the model call, ms per step"] + [f"{r['running']} running" for r in results],
+                        part_rows, f"the model call by part ({llm.engine.runner.plan.describe()})")
     last = results[-1]
     met = "met" if last["outside_model"] <= 0.10 else "MISSED"
     return Section(
@@ -88,7 +109,8 @@ def step_overhead_section(model: str | None, dtype: str, running=(1, 32), steps:
         settings=[f"decode steps of N running requests with {prompt}-token prompts, {steps} steps each, every "
                   "step followed by kv_snapshot() as in the app; milliseconds per step"],
         tables=[Table(["running", "step + snapshot", "model call", "batch preparation", "rest of step()",
-                       "kv_snapshot()", "outside runner.forward", "outside the model call"], rows), profile_table],
+                       "kv_snapshot()", "outside runner.forward", "outside the model call"], rows), parts_table,
+                profile_table],
         notes=[f"goal <= 10% outside the model forward at {last['running']} running: {last['outside_model']:.1%} "
                f"(batch preparation counted as overhead) -> {met}",
                f"the engine's own Python (pagedchat/engine and kernels/, own lines) is {own_share:.1%} of the "
