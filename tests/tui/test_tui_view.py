@@ -3,8 +3,12 @@ always shows, the last turn's line whole, and the app at 80x24."""
 
 import re
 
-from support.tui import async_test, screen_text
+import pytest
+from support.app import LONG, loaded, reply_done
+from support.tui import async_test, screen_text, wait_until
 from textual.app import App, ComposeResult
+from textual.widget import Widget
+from textual.widgets import Static
 
 from pagedchat.tui.chat_message import ChatMessage
 
@@ -40,3 +44,29 @@ async def test_a_replys_line_breaks_show_as_the_model_wrote_them_whole_or_stream
             lines = rows_holding(mine, *POEM.splitlines(), "salt", "foam", "def tide():", "return 2")
             assert lines == sorted(lines) and len(set(lines)) == len(lines)  # each on a row of its own, in order
             assert "```" not in "".join(mine)  # the code block is still drawn as one
+
+
+def region_text(app: App, widget: Widget) -> str:
+    """What the widget shows on screen, its rows joined by spaces."""
+    region = widget.content_region
+    return " ".join(row[region.x:region.right].strip() for row in screen_text(app)[region.y:region.bottom])
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+@async_test
+async def test_the_last_turns_line_shows_whole_on_a_narrow_chat_and_a_wide_one(make_app, size):
+    app = make_app(params=LONG)
+    async with app.run_test(size=size) as pilot:
+        pane = (await loaded(pilot)).current_pane
+        assert pane.send("a question " * 12)  # three-digit counts: the line takes the chat's whole width at 160
+
+        def reply_tokens() -> int:
+            progress = pane.chat.progress(pane.conversation.request_id)
+            return len(progress.outputs[0].token_ids) if progress else 0
+
+        await wait_until(pilot, lambda: reply_tokens() >= 100, what="a hundred tokens of the reply")
+        await pilot.press("escape")
+        await reply_done(pilot, pane)
+        info = pane.query_one("#turn-info", Static)
+        await wait_until(pilot, lambda: region_text(app, info) == str(info.content), what="the whole line on screen")
+        assert str(info.content).startswith("last turn: prompt") and str(info.content).endswith("· stopped")
