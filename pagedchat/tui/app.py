@@ -126,8 +126,8 @@ class PagedChatApp(App):
         with Horizontal(id="main"):
             with Container(id="chat-area"):
                 yield TabbedContent(id="chats")
-                yield EngineBadge()
             yield KVPanel(id="panel")
+        yield EngineBadge()
         yield Footer()
 
     def on_mount(self) -> None:

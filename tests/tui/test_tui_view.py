@@ -70,3 +70,36 @@ async def test_the_last_turns_line_shows_whole_on_a_narrow_chat_and_a_wide_one(m
         info = pane.query_one("#turn-info", Static)
         await wait_until(pilot, lambda: region_text(app, info) == str(info.content), what="the whole line on screen")
         assert str(info.content).startswith("last turn: prompt") and str(info.content).endswith("· stopped")
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+@async_test
+async def test_pause_and_slow_motion_show_in_a_line_of_their_own_and_every_tab_label_stays_whole(make_app, size):
+    app = make_app(params=LONG)
+    async with app.run_test(size=size) as pilot:
+        await loaded(pilot)
+        for _ in range(2):
+            await app.action_new_chat()
+        for pane in app.panes.values():
+            assert pane.send("hello")
+        await wait_until(pilot, lambda: all(pane.reply_text for pane in app.panes.values()), what="three replies")
+        await pilot.press("f5", "f3")
+        bar = app.query_one("#chats ContentTabs")
+
+        def tab_row() -> str:
+            return screen_text(app)[bar.region.y]
+
+        def labels_whole() -> bool:
+            return all(app.tab_labels.shown(key) in tab_row() for key in app.panes)
+
+        await wait_until(pilot, lambda: any("PAUSED" in row and "SLOW MOTION 0.25 s/step" in row
+                                            for row in screen_text(app)), what="the engine's state on screen")
+        await wait_until(pilot, labels_whole, what="every tab's label whole")
+        assert "PAUSED" not in tab_row() and "SLOW" not in tab_row() and len(app.panes) == 3
+        assert all("PAUSED" not in app.tab_labels.shown(key) for key in app.panes)
+        await pilot.press("f4")  # the panel hidden: the state still shows
+        await wait_until(pilot, lambda: not app.query_one("#panel").display, what="the panel to hide")
+        assert any("PAUSED" in row for row in screen_text(app))
+        await pilot.press("f3", "f3", "f5")  # full speed: the line goes
+        await wait_until(pilot, lambda: not any("PAUSED" in row or "SLOW" in row for row in screen_text(app)),
+                         what="the engine's state gone")
