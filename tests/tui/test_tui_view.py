@@ -10,7 +10,11 @@ from textual.app import App, ComposeResult
 from textual.widget import Widget
 from textual.widgets import Static
 
+from pagedchat.tui.block_tables import BlockTables
 from pagedchat.tui.chat_message import ChatMessage
+from pagedchat.tui.event_log import EventLog
+from pagedchat.tui.kv_panel import KVPanel
+from pagedchat.tui.kv_stats import KVStats
 
 POEM = "The sea is wide,\nthe sea is deep;\nit sings all night\nand rocks to sleep."
 REPLY = POEM + "\n\n- salt\n- foam\n\n```python\ndef tide():\n    return 2\n```"
@@ -103,3 +107,29 @@ async def test_pause_and_slow_motion_show_in_a_line_of_their_own_and_every_tab_l
         await pilot.press("f3", "f3", "f5")  # full speed: the line goes
         await wait_until(pilot, lambda: not any("PAUSED" in row or "SLOW" in row for row in screen_text(app)),
                          what="the engine's state gone")
+
+
+@async_test
+async def test_at_80x24_the_footer_keeps_help_settings_panel_and_pause_and_the_panel_shows_whole(make_app):
+    app = make_app(num_kv_blocks=512)  # the default pool's size: the grid scrolls
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot)
+        for _ in range(2):
+            await app.action_new_chat()
+        for pane in app.panes.values():
+            assert pane.send("hello")
+        await reply_done(pilot, *app.panes.values())
+        panel, log, tables = app.query_one(KVPanel), app.query_one(EventLog), app.query_one(BlockTables)
+        await wait_until(pilot, lambda: panel.snapshot is app.worker.snapshot and log.lines, what="the panel")
+        await pilot.pause()
+        rows = screen_text(app)
+        assert all(key in rows[-1] for key in ("f1 Help", "f2 Settings", "f4 Panel", "f5 Pause")), rows[-1]
+        on_screen = app.screen.region
+        for widget in (log, tables, app.query_one(KVStats)):  # each whole on screen, above the footer
+            assert on_screen.contains_region(widget.region) and widget.region.bottom <= len(rows) - 1, widget
+        panel_rows = [row[panel.region.x:] for row in rows[panel.region.y:panel.region.bottom]]
+        assert not any(row.rstrip().endswith("…") for row in panel_rows), panel_rows
+        assert "allocate" in region_text(app, log)
+        shown_ids = region_text(app, tables).replace(":", " ").split()
+        for info in panel.snapshot.requests:  # every block id of every table
+            assert all(str(block_id) in shown_ids for block_id in info.block_table), (info, shown_ids)
