@@ -1,6 +1,7 @@
 """Issue 32, items 3, 4, 5 and 10: a reply's line breaks on screen, the engine's state in one place that
 always shows, the last turn's line whole, and the app at 80x24."""
 
+import random
 import re
 
 import pytest
@@ -10,11 +11,14 @@ from textual.app import App, ComposeResult
 from textual.widget import Widget
 from textual.widgets import Static
 
+from pagedchat.engine.api.snapshot import BlockEvent
 from pagedchat.tui.block_tables import BlockTables
 from pagedchat.tui.chat_message import ChatMessage
-from pagedchat.tui.event_log import EventLog
+from pagedchat.tui.event_log import MAX_IDS, EventLog
 from pagedchat.tui.kv_panel import KVPanel
 from pagedchat.tui.kv_stats import KVStats
+from pagedchat.tui.text_panel import flow
+from pagedchat.tui.themes import SessionTag
 
 POEM = "The sea is wide,\nthe sea is deep;\nit sings all night\nand rocks to sleep."
 REPLY = POEM + "\n\n- salt\n- foam\n\n```python\ndef tide():\n    return 2\n```"
@@ -133,3 +137,34 @@ async def test_at_80x24_the_footer_keeps_help_settings_panel_and_pause_and_the_p
         shown_ids = region_text(app, tables).replace(":", " ").split()
         for info in panel.snapshot.requests:  # every block id of every table
             assert all(str(block_id) in shown_ids for block_id in info.block_table), (info, shown_ids)
+
+
+def test_flow_breaks_lines_only_between_words_and_keeps_every_word_in_order():
+    rng = random.Random(32)
+    for _ in range(200):
+        width = rng.randint(8, 60)
+        lines = [[("" if i == 0 else rng.choice([" · ", " ", ", "]), "x" * rng.randint(1, 12))
+                  for i in range(rng.randint(1, 8))] for _ in range(rng.randint(1, 4))]
+        shown = flow(lines, width, indent="  ").plain.split("\n")
+        # Each line holds whole words: those of one input line, in order, its first ones unindented.
+        words = [word for line in shown for word in re.split(r" · | |, ", line.strip())]
+        assert words == [word for line in lines for _, word in line]
+        assert sum(not line.startswith(" ") for line in shown) == len(lines)
+        assert all(len(line) <= width or " " not in line.strip() for line in shown)  # too long: one word alone
+
+
+def test_an_event_log_line_lists_the_ids_that_fit_and_how_many_more():
+    tag = SessionTag("chat 1", 0)
+    run = [BlockEvent(seq, 3, "allocate", 100 + seq, "chat-1.1") for seq in range(12)]
+    for width in (25, 37, 55, None):
+        text = EventLog._line(3, "allocate", "chat-1.1", run, lambda _: tag, {tag.variable: "red"}, width).plain
+        ids = re.findall(r"#(\d+)", text)
+        more = int(text.split(" +")[1]) if " +" in text else 0
+        assert ids == [str(100 + i) for i in range(len(ids))] and len(ids) + more == 12
+        if width is None:
+            assert len(ids) == MAX_IDS
+            continue
+        assert len(text) <= width
+        if len(ids) < MAX_IDS:  # one more would not have fitted
+            rest = f" +{more - 1}" if more > 1 else ""
+            assert len(text) - len(f" +{more}") + len(f" #{100 + len(ids)}") + len(rest) > width
