@@ -15,9 +15,8 @@ EMPTY = "no block tables yet"
 class BlockTables(TextPanel):
     """One entry per live request, in its session's colour; shared entries are underlined. A table
     longer than a line goes on in lines of its own, indented, so that every block id shows (and its
-    heading too, on a narrow panel). With the
-    step marks on, the entries the last step wrote are reversed and a line under the table says what
-    it read and wrote."""
+    heading too, on a narrow panel). With the step marks on, the entries the last step wrote are
+    reversed and a line under the table says what it read and wrote."""
 
     DEFAULT_CSS = """
     BlockTables {
