@@ -18,7 +18,7 @@ from textual.containers import Container, Horizontal
 from textual.screen import Screen
 from textual.timer import Timer
 from textual.widget import Widget
-from textual.widgets import Footer, TabbedContent, Tabs
+from textual.widgets import TabbedContent, Tabs
 
 from pagedchat.engine.api.errors import one_line
 from pagedchat.engine.api.params import SamplingParams
@@ -29,6 +29,7 @@ from pagedchat.tui.chat_pane import ChatPane
 from pagedchat.tui.conversation import DEFAULT_PARAMS
 from pagedchat.tui.demo_driver import DemoDriver
 from pagedchat.tui.engine_badge import EngineBadge
+from pagedchat.tui.footer import KeyFooter
 from pagedchat.tui.frame_budget import MAX_DRAW_GAP_S, POLL_HZ, UI_CPU_SHARE, FrameBudget
 from pagedchat.tui.help_screen import HelpScreen
 from pagedchat.tui.keys import BINDINGS, CHAT_ACTIONS
@@ -62,6 +63,8 @@ class PagedChatApp(App):
     AUTO_FOCUS = "MessageBox"
 
     BINDINGS = BINDINGS
+    # The screen's class by its height: app.tcss fits the KV panel into a short one (24 rows).
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]
 
     def __init__(self, load_llm: Callable[[], object] | None, *, model_name: str = "the model",
                  attach: "AttachTarget | None" = None,
@@ -126,9 +129,9 @@ class PagedChatApp(App):
         with Horizontal(id="main"):
             with Container(id="chat-area"):
                 yield TabbedContent(id="chats")
-                yield EngineBadge()
             yield KVPanel(id="panel")
-        yield Footer()
+        yield EngineBadge()
+        yield KeyFooter()
 
     def on_mount(self) -> None:
         self._ui_loop, self._ui_thread = asyncio.get_running_loop(), threading.get_ident()

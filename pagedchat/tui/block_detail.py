@@ -36,7 +36,7 @@ class BlockDetail(Static):
     """
 
     def __init__(self, **kwargs) -> None:
-        super().__init__(HINT, **kwargs)
+        super().__init__(HINT, classes="-hint", **kwargs)
         self._key: tuple | None = None
 
     def show(self, block: BlockInfo | None, block_size: int, tag_of: Callable[[str], SessionTag],
@@ -47,3 +47,4 @@ class BlockDetail(Static):
         if key != self._key:
             self._key = key
             self.update(HINT if block is None else detail_text(block, block_size, tag_of, tokens_text))
+            self.set_class(block is None, "-hint")  # a short screen hides the hint (app.tcss)

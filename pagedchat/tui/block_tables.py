@@ -6,7 +6,7 @@ from rich.text import Text
 
 from pagedchat.engine.api.snapshot import KVSnapshot
 from pagedchat.tui.step_marks import StepTouch, step_touch
-from pagedchat.tui.text_panel import TextPanel
+from pagedchat.tui.text_panel import TextPanel, flow
 from pagedchat.tui.themes import SessionTag
 
 EMPTY = "no block tables yet"
@@ -14,9 +14,9 @@ EMPTY = "no block tables yet"
 
 class BlockTables(TextPanel):
     """One entry per live request, in its session's colour; shared entries are underlined. A table
-    longer than a line goes on in lines of its own, indented, so that every block id shows. With the
-    step marks on, the entries the last step wrote are reversed and a line under the table says what
-    it read and wrote."""
+    longer than a line goes on in lines of its own, indented, so that every block id shows (and its
+    heading too, on a narrow panel). With the step marks on, the entries the last step wrote are
+    reversed and a line under the table says what it read and wrote."""
 
     DEFAULT_CSS = """
     BlockTables {
@@ -52,25 +52,27 @@ class BlockTables(TextPanel):
         for info in live:
             tag = tag_of(info.request_id)
             colour = colours[tag.variable]
-            line = Text()
-            line.append("■ ", style=colour)
-            line.append(f"{tag.name}", style=f"bold {colour}")
-            line.append(f" {info.status} · {info.num_tokens} tok · {len(info.block_table)} blocks:")
+            name = Text("■ ", style=colour)
+            name.append(tag.name, style=f"bold {colour}")
             touch = step_touch(info, snapshot.block_size) if marked else None
             written = {block_id for block_id, _, _ in touch.written} if touch else set()
+            entries = []
             for block_id in info.block_table:
-                entry = str(block_id)
-                if line.cell_len + 1 + len(entry) > width:
-                    text.append_text(line)
-                    text.append("\n")
-                    line = Text("   ")
-                line.append(" ")
                 style = f"{colour} underline" if block_id in shared else colour
-                line.append(entry, style=f"{style} bold reverse" if block_id in written else style)
-            text.append_text(line)
+                style = f"{style} bold reverse" if block_id in written else style
+                entries.append((" ", Text(str(block_id), style=style)))
+            # "189 tok, 12 blocks:" rather than "189 tok · 12 blocks:": a heading that fits in 37
+            # columns (80x24) leaves the ids a line of their own, and one more table shows.
+            words = [("", name), (" ", info.status), (" · ", f"{info.num_tokens} tok"),
+                     (", ", f"{len(info.block_table)} blocks:"), *entries]
+            text.append_text(flow([words], width, indent="   "))
             text.append("\n")
             if touch:
-                text.append(f"   ↳ read {len(touch.read)} blocks · wrote {wrote(touch)}\n", style=colour)
+                said = flow([[("", f"   ↳ read {len(touch.read)} blocks"), (" · ", f"wrote {wrote(touch)}")]],
+                            width, indent="     ")
+                said.stylize(colour)
+                text.append_text(said)
+                text.append("\n")
         text.rstrip()
         self.set_text(text or Text(EMPTY))
 

@@ -44,7 +44,7 @@ class ChatPane(TabPane):
         scrollbar-size-vertical: 1;
     }
     ChatPane > #turn-info {
-        height: 1;
+        height: auto;
         padding: 0 1;
         color: $text-muted;
     }
@@ -223,7 +223,7 @@ class ChatPane(TabPane):
 
     def _begin_reply(self, text: str) -> None:
         # The last turn's numbers would read as this one's while it streams.
-        self.query_one("#turn-info", Static).update("this turn: replying… (escape stops it)", layout=False)
+        self.query_one("#turn-info", Static).update("this turn: replying… (escape stops it)")
         self.replying = True
         self._text = self._shown = text
         self._reply = ChatMessage("assistant", text)
@@ -279,10 +279,10 @@ class ChatPane(TabPane):
             self._context_full(f"the conversation has reached the model's context of {self.max_len} tokens")
         if len(output.outputs) > 1:
             await self._transcript.mount(ChatMessage("notice", samples_note(output.outputs)))
+        # It wraps where the chat is narrow (a layout once a turn).
         self.query_one("#turn-info", Static).update(
-            f"last turn: prompt {prompt} tok, {reused} served from blocks held or cached, "
-            f"{prompt - reused} computed · reply {len(completion.token_ids)} tok"
-            + (f" · {note}" if note else ""), layout=False)  # one line, always: no layout of the screen
+            f"last turn: prompt {prompt} tok, {reused} from KV blocks, {prompt - reused} computed · "
+            f"reply {len(completion.token_ids)} tok" + (f" · {note}" if note else ""))
 
     async def _fail(self, error: str) -> None:
         reply = self._reply

@@ -1,25 +1,25 @@
-"""The teaching-mode badge: PAUSED, SLOW MOTION and its rate, for as long as they last."""
+"""The engine's state while it is paused or slowed: PAUSED, SLOW MOTION and its rate, for as long as they last."""
 
 from textual.widgets import Static
 
 
 def badge_text(paused: bool, delay: float) -> str:
-    """What the badge says; "" when the engine runs at full speed (no badge)."""
-    parts = ["PAUSED · f6 steps"] if paused else []
+    """What the badge says, with the keys that change it; "" when the engine runs at full speed (no badge)."""
+    parts = ["PAUSED · f6 one step · f5 resumes"] if paused else []
     if delay:
-        parts.append(f"SLOW MOTION {delay:g} s/step")
+        parts.append(f"SLOW MOTION {delay:g} s/step · f3 changes it")
     return " · ".join(parts)
 
 
 class EngineBadge(Static):
-    """Top right of the chat area, over the tab row's free end, on a layer of its own: showing or
-    hiding it moves nothing else. The app sets it when the state changes (f5, f3), never per tick."""
+    """A line across the whole screen, above the footer: it belongs to no tab and to no panel, and
+    shows whatever the number of tabs, with the KV panel hidden or not. Over the tab row, where it
+    was, it covered the last tabs. The app sets it when the state changes (f5, f3), never per tick:
+    showing or hiding it lays the screen out once."""
 
     DEFAULT_CSS = """
     EngineBadge {
-        layer: badge;
-        dock: right;
-        width: auto;
+        width: 1fr;
         height: 1;
         padding: 0 1;
         background: $warning;

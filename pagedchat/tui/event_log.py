@@ -10,7 +10,7 @@ from pagedchat.engine.api.snapshot import BlockEvent, KVSnapshot
 from pagedchat.tui.textual_private import ScrollsWithoutLayout
 from pagedchat.tui.themes import SessionTag
 
-MAX_IDS = 8  # block ids listed per line; a long prefill allocates dozens in one step
+MAX_IDS = 8  # block ids listed per line at most; a long prefill allocates dozens in one step
 
 
 class EventLog(ScrollsWithoutLayout, RichLog):
@@ -36,21 +36,29 @@ class EventLog(ScrollsWithoutLayout, RichLog):
             return
         self._last_seq = fresh[-1].seq
         colours = self.app.theme_variables
+        width = self.scrollable_content_region.width or None
         for (step, kind, request_id), run in groupby(fresh, lambda e: (e.step, e.kind, e.request_id)):
-            self.write(self._line(step, kind, request_id, list(run), tag_of, colours), scroll_end=False)
+            self.write(self._line(step, kind, request_id, list(run), tag_of, colours, width), scroll_end=False)
         # At once, not after the next frame as `write` would: that frame would be followed by another.
         self.scroll_end(animate=False, immediate=True, x_axis=False)
 
     @staticmethod
     def _line(step: int, kind: str, request_id: str | None, run: list[BlockEvent],
-              tag_of: Callable[[str], SessionTag], colours: dict[str, str]) -> Text:
+              tag_of: Callable[[str], SessionTag], colours: dict[str, str], width: int | None) -> Text:
+        """The ids that fit in `width` (a line wider than the log would take a row for a scrollbar),
+        MAX_IDS at most, and how many more there are."""
         text = Text(f"{step:>5} ", style="dim")
         text.append(f"{kind:<8}", style="bold")
         if request_id is not None:
             tag = tag_of(request_id)
             text.append(f" {tag.name}", style=colours[tag.variable])
-        ids = [str(e.block_id) for e in run if e.block_id is not None]
-        if ids:
-            more = f" +{len(ids) - MAX_IDS}" if len(ids) > MAX_IDS else ""
-            text.append(f" #{' #'.join(ids[:MAX_IDS])}{more}")
+        ids = [f" #{e.block_id}" for e in run if e.block_id is not None]
+
+        def listed(shown: int) -> str:
+            return "".join(ids[:shown]) + (f" +{len(ids) - shown}" if shown < len(ids) else "")
+
+        shown = min(len(ids), MAX_IDS)
+        while shown and width is not None and text.cell_len + len(listed(shown)) > width:
+            shown -= 1
+        text.append(listed(shown))
         return text

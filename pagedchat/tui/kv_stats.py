@@ -3,7 +3,7 @@
 from rich.text import Text
 
 from pagedchat.engine.api.snapshot import KVSnapshot
-from pagedchat.tui.text_panel import TextPanel
+from pagedchat.tui.text_panel import TextPanel, Word, flow
 
 LIVE = ("waiting", "running", "preempted", "parked")  # requests that hold (or will hold) blocks
 
@@ -14,28 +14,34 @@ def contiguous_blocks(snapshot: KVSnapshot) -> int:
     return sum(-(-info.max_len // size) for info in snapshot.requests if info.status in LIVE)
 
 
-def stats_text(snapshot: KVSnapshot) -> Text:
+def stats_lines(snapshot: KVSnapshot) -> list[list[Word]]:
+    """The panel's header, a line per list; each line's words break where the panel is narrow."""
     used = snapshot.num_blocks - snapshot.num_free_blocks
     usage = 100 * used / snapshot.num_blocks if snapshot.num_blocks else 0.0
     preempted = sum(info.status == "preempted" for info in snapshot.requests)
     hits = (100 * snapshot.prefix_cache_hits / snapshot.prefix_cache_queries
             if snapshot.prefix_cache_queries else 0.0)
     contiguous = contiguous_blocks(snapshot)
-    text = Text()
-    text.append(f"free {snapshot.num_free_blocks}/{snapshot.num_blocks} blocks", style="bold")
-    text.append(f" · {usage:.0f}% used · {snapshot.num_cached_blocks} cached\n")
-    text.append(f"run {snapshot.num_running} · wait {snapshot.num_waiting} · preempted {preempted} "
-                f"({snapshot.num_preemptions} total) · parked {snapshot.num_parked}\n")
-    text.append(f"prefix hits {hits:.0f}% · {snapshot.tokens_per_second:.1f} tok/s · step {snapshot.step}\n")
-    text.append(f"contiguous would hold {contiguous:>5} blocks")
-    if contiguous > snapshot.num_blocks:
-        text.append(" > pool!", style="bold")
-    text.append(f"\npaging holds          {used:>5} blocks", style="bold")
-    return text
+    over = [(" ", Text("> pool!", style="bold"))] if contiguous > snapshot.num_blocks else []
+    return [
+        [("", Text(f"free {snapshot.num_free_blocks}/{snapshot.num_blocks} blocks", style="bold")),
+         (" · ", f"{usage:.0f}% used"), (" · ", f"{snapshot.num_cached_blocks} cached")],
+        [("", f"run {snapshot.num_running}"), (" · ", f"wait {snapshot.num_waiting}"),
+         (" · ", f"preempted {preempted} ({snapshot.num_preemptions} total)"),
+         (" · ", f"parked {snapshot.num_parked}")],
+        [("", f"prefix hits {hits:.0f}%"), (" · ", f"{snapshot.tokens_per_second:.1f} tok/s"),
+         (" · ", f"step {snapshot.step}")],
+        [("", f"contiguous would hold {contiguous:>5} blocks"), *over],
+        [("", Text(f"paging holds          {used:>5} blocks", style="bold"))],
+    ]
+
+
+def stats_text(snapshot: KVSnapshot, width: int | None = None) -> Text:
+    return flow(stats_lines(snapshot), width)
 
 
 class KVStats(TextPanel):
-    """`free N/M blocks` and the numbers beside it."""
+    """`free N/M blocks` and the numbers beside it, broken at the panel's width."""
 
     DEFAULT_CSS = """
     KVStats {
@@ -44,5 +50,14 @@ class KVStats(TextPanel):
     }
     """
 
+    def __init__(self, text: str = "", **kwargs) -> None:
+        super().__init__(text, **kwargs)
+        self._snapshot: KVSnapshot | None = None
+
+    def on_resize(self) -> None:
+        if self._snapshot is not None:
+            self.show(self._snapshot)
+
     def show(self, snapshot: KVSnapshot) -> None:
-        self.set_text(stats_text(snapshot))
+        self._snapshot = snapshot
+        self.set_text(stats_text(snapshot, self.content_region.width or None))

@@ -58,7 +58,7 @@ class TeachingMode:
         return self._source.teaching
 
     def _show(self, controls: Teaching) -> None:
-        """Only when the state changes: the badge lays out its own layer, the footer recomposes."""
+        """Only when the state changes: the badge lays the screen out, the footer recomposes."""
         self._app.query_one(EngineBadge).show_state(controls.paused, controls.delay)
         self._app.query_one(KVPanel).set_step_marks(controls.paused or bool(controls.delay))
         self._app.refresh_bindings()

@@ -108,3 +108,8 @@ def async_test(test):
         return asyncio.run(test(*args, **kwargs))
 
     return run
+
+
+def screen_text(app: App) -> list[str]:
+    """The screen as a person reads it, one string per row (what tmux's capture-pane gives)."""
+    return [strip.text for strip in app.screen._compositor.render_strips()]

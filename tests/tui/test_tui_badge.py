@@ -5,12 +5,13 @@ from support.tui import async_test, wait_until
 from textual.widgets._footer import FooterKey
 
 from pagedchat.tui.app import PagedChatApp
+from pagedchat.tui.engine_badge import EngineBadge
 
 
 def badge(app: PagedChatApp) -> str:
     """The badge's text as drawn, "" when no badge is on screen."""
-    shown = [widget for widget in app.screen.query("#chat-area > *") if widget.id != "chats" and widget.display]
-    return " ".join(str(widget.render()) for widget in shown)
+    badge = app.screen.query_one(EngineBadge)
+    return str(badge.render()) if badge.display else ""
 
 
 def footer(app: PagedChatApp) -> list[str]:
