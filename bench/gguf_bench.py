@@ -5,6 +5,7 @@
     python -m bench.gguf_bench                   # 1B Q4_K_M and Q8_0; its section goes into bench/RESULTS.md
     python -m bench.gguf_bench --shapes 1b 3b --types Q4_K_M --rounds 3
     python -m bench.gguf_bench --shapes --default-model  # the default model's own Q4_1 file alone
+    python -m bench.gguf_bench --files 1b:Q4_K_M 1b:Q8_0 3b:Q4_K_M --default-model  # these files, one run
 
 Workloads (bench/peer_timing.py): one chat (a 43-token chat prompt, 128 new tokens: decode tokens/s) and 16
 chats x 64 new tokens at once (llama-server with 16 slots); KV for 4,096 tokens in each engine; greedy, EOS
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="*", default=["1b"], choices=tuple(models.SHAPES))
     parser.add_argument("--types", nargs="+", default=list(models.TYPES))
+    parser.add_argument("--files", nargs="+", metavar="SHAPE:TYPE", help="these files instead of shapes x types")
     parser.add_argument("--default-model", action="store_true", help="also the default model's shipped Q4_1 file")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     if not peers.llama_ready():
         raise SystemExit("llama.cpp is not built: python -m bench.peers setup --only llama")
     started = time.monotonic()
-    files = [(shape, file_type) for shape in args.shapes for file_type in args.types]
+    files = [tuple(name.split(":")) for name in args.files] if args.files else \
+        [(shape, file_type) for shape in args.shapes for file_type in args.types]
     files += [("default", "Q4_1")] if args.default_model else []
     measured = {(shape, file_type): run(shape, file_type, args.threads, args.rounds, args.alternations)
                 for shape, file_type in files}
