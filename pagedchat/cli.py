@@ -208,7 +208,11 @@ def checked_config(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
-        return serve_main(argv[1:])
+        try:
+            return serve_main(argv[1:])
+        except KeyboardInterrupt:  # ctrl+c before the server runs (it takes the signals itself then)
+            print("pagedchat: stopped", file=sys.stderr)
+            return 130
     args = build_parser().parse_args(argv)
     log_path = log_to_file()
     try:
@@ -283,12 +287,15 @@ def serve_main(argv: list[str]) -> int:
         return serve_with_app(engine_config, config, log_path)
     print(f"pagedchat: loading {engine_config.model_path.name}; /health answers 503 until it is ready", file=sys.stderr)
     try:
-        serve(lambda: LLM.from_config(engine_config), config,
-              on_ready=lambda url: print(f"pagedchat: serving {config.model_name} on {url}/v1", file=sys.stderr))
+        stopped_by = serve(lambda: LLM.from_config(engine_config), config,
+                           on_ready=lambda url: print(f"pagedchat: serving {config.model_name} on {url}/v1",
+                                                      file=sys.stderr))
     except Exception as exc:
         logging.getLogger(__name__).exception("the server failed")
         print(f"pagedchat: error: {one_line(exc)} (details in {log_path})", file=sys.stderr)
         return 1
+    if stopped_by is not None:
+        print(f"pagedchat: stopped by {stopped_by.name}", file=sys.stderr)
     return 0
 
 

@@ -51,6 +51,12 @@ class ServerState:
             raise ApiError(503, "the model is loading" if not self.stopped else "the engine has stopped")
         return self.served
 
+    def stop(self) -> None:
+        """The server is going: requests get 503 from now on, and the ones in flight end at once."""
+        self.stopped = True
+        if self.served is not None:
+            self.served.engine.stop_all()
+
 
 def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     async def authorize(request: Request) -> None:  # async: a plain def would run in a worker thread
@@ -229,7 +235,7 @@ async def respond(run: Run, body, request: Request, chat: bool):
         async for final in outputs:
             pass
     except EngineFailure as exc:
-        raise ApiError(500, str(exc)) from exc
+        raise ApiError(exc.status, str(exc)) from exc
     if final is None or not final.finished:
         run.abandoned()
         return Response(status_code=499)  # the client left; nobody reads this
@@ -314,7 +320,7 @@ async def stream(run: Run, outputs: AsyncIterator[RequestOutput], body, chat: bo
             if choices:
                 yield chunk(choices)
     except EngineFailure as exc:
-        yield f"data: {json.dumps(ApiError(500, str(exc)).body())}\n\n"
+        yield f"data: {json.dumps(ApiError(exc.status, str(exc)).body())}\n\n"
         yield "data: [DONE]\n\n"
         return
     if final is None or not final.finished:

@@ -286,7 +286,8 @@ def test_a_bug_is_answered_with_an_openai_error_object(live, monkeypatch):
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(live.state.served.engine, "snapshot", broken)
-    response = live.http.get("/v1/kv/snapshot")
+    # a connection of its own: uvicorn closes the one whose request raised
+    response = httpx.get(f"{live.url}/v1/kv/snapshot", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert response.status_code == 500
     assert response.json()["error"]["message"] == "internal error: RuntimeError: a bug"
 
