@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import peers
 
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -57,9 +59,14 @@ def test_the_bench_starts_vllm_the_same_way(tmp_path):
     assert Path(found) == path / "kernels" / "__init__.py" and args == "['--port', '8100']"
 
 
-def test_bench_run_from_the_checkout_leaves_kernels_to_the_package(tmp_path):
-    """`python -m bench.peers folder` (inside README's command) loads a model with transformers, which imports
-    `kernels`: once bench is imported, the checkout is behind the other folders of sys.path."""
+@pytest.mark.parametrize("first", ["bench", "pagedchat.__main__"])
+def test_bench_and_pagedchat_run_from_the_checkout_leave_kernels_to_the_package(first, tmp_path):
+    """`python -m bench.peers folder` (inside README's command) and `python -m pagedchat` load models with
+    transformers, which imports `kernels`: once bench or pagedchat's __main__ is imported, the checkout is
+    behind the other folders of sys.path."""
     path = stand_ins(tmp_path)
-    found, _ = run_from_checkout([sys.executable, "-c", f"import bench; {REPORT}"], path)
+    imports = "import bench" if first == "bench" else \
+        "import contextlib, runpy; sys.argv[1:] = ['--version']\nwith contextlib.suppress(SystemExit): " \
+        "runpy.run_module('pagedchat', run_name='__main__')"
+    *_, found, _ = run_from_checkout([sys.executable, "-c", f"import sys; {imports}\n{REPORT}"], path)
     assert Path(found) == path / "kernels" / "__init__.py"
