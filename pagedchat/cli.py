@@ -32,8 +32,40 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 POOL_EPILOG = (f"The KV pool defaults to {DEFAULT_NUM_KV_BLOCKS} blocks (of --block-size tokens) when neither "
-               "--num-blocks nor --kv-memory is given: for the default model (SmolLM2-135M-Instruct) "
-               "that is 8,192 tokens, about 190 MB in bfloat16.")
+               "--num-blocks nor --kv-memory is given: --model says what that holds for the default model.")
+
+
+class MemoryHelpFormatter(argparse.HelpFormatter):
+    """--model's line says what the default model holds in memory, read from its GGUF's header when the help is
+    shown (which imports torch: a second or two that no other run pays)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return f"{action.help} (default: {default_model_memory()})" if action.dest == "model" else action.help
+
+
+def default_model_memory() -> str:
+    from pagedchat.engine.loading import loader
+
+    path = loader.installed_default_model()
+    if path is None:
+        return "SmolLM2-135M-Instruct, installed on first use"
+    from pagedchat.engine.describe import gguf_memory
+
+    return f"SmolLM2-135M-Instruct: {gguf_memory(path, EngineArgs().block_size, DEFAULT_NUM_KV_BLOCKS)}"
+
+
+class VersionAction(argparse.Action):
+    """--version: the version, then which kernels multiply each kind of weights on this CPU (which imports torch
+    and builds the C kernels where they are not built yet, as a model's load would)."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from pagedchat.engine.describe import kernels_here
+
+        print(f"pagedchat {__version__}\n{kernels_here()}")
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedchat",
         description="Chat with a local LLM in several tabs at once and watch its paged KV cache live. "
                     "`pagedchat serve --help`: the same engine as an OpenAI-compatible server.",
-        epilog=POOL_EPILOG + " Keys: f1 in the app.",
+        epilog=POOL_EPILOG + " Keys: f1 in the app.", formatter_class=MemoryHelpFormatter,
     )
     add_engine_flags(parser)
     attach = parser.add_argument_group("attach to a server", "the app as a client of a vLLM server (or of "
@@ -59,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="open tabs that chat by themselves: chat (the default), pressure (a small pool that "
                              "preempts and evicts) or sharing (one system prompt, forks)")
     parser.add_argument("--no-history", action="store_true", help="do not save conversations")
-    parser.add_argument("--version", action="version", version=f"pagedchat {__version__}")
+    parser.add_argument("--version", action=VersionAction,
+                        help="the version, and which kernels multiply each kind of weights on this CPU")
     return parser
 
 
@@ -68,7 +101,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
         prog="pagedchat serve",
         description="Serve the engine over OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models), "
                     "with /health, /metrics, /tokenize, /detokenize, /v1/kv/snapshot and /v1/kv/events.",
-        epilog=POOL_EPILOG,
+        epilog=POOL_EPILOG, formatter_class=MemoryHelpFormatter,
     )
     parser.add_argument("--host", default="127.0.0.1", help="the address to bind (127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="the port (8000)")
@@ -86,9 +119,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", metavar="PATH",
-                        help="a Hugging Face model folder or a .gguf file (default: SmolLM2-135M-Instruct, "
-                             "installed on first use)")
+    parser.add_argument("--model", metavar="PATH", help="a Hugging Face model folder or a .gguf file")
     parser.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (16)")
     pool = parser.add_mutually_exclusive_group()
     pool.add_argument("--num-blocks", type=int, metavar="N",
