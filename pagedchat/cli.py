@@ -8,7 +8,9 @@ a log file in the user's state directory, which the line names.
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import platformdirs
@@ -239,9 +241,11 @@ def checked_config(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
+        # ctrl+c or SIGTERM before the server runs (it takes the signals itself then): one line
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
             return serve_main(argv[1:])
-        except KeyboardInterrupt:  # ctrl+c before the server runs (it takes the signals itself then)
+        except KeyboardInterrupt:
             print("pagedchat: stopped", file=sys.stderr)
             return 130
     args = build_parser().parse_args(argv)
@@ -264,18 +268,20 @@ def main(argv: list[str] | None = None) -> int:
 
     code = run_app(lambda: LLM.from_config(config), config.model_path.name, log_path,
                    theme=args.theme, demo=args.demo, history=history)
-    leave_any_compile_behind(code)
+    leave_any_compile_or_load_behind(code)
     return code
 
 
-def leave_any_compile_behind(code: int) -> None:
-    """A compile still running when the app quits is a daemon thread inside inductor's C++: the
-    interpreter's teardown pulls the runtime from under it and the process aborts ("terminate called
-    without an active exception", exit 134). The app is done and the terminal restored, the history
-    committed as it went: leave at once instead. The compile starts again, from its cache, next time."""
+def leave_any_compile_or_load_behind(code: int) -> None:
+    """A compile still running when the app quits is a daemon thread inside inductor's C++, as is a model still
+    loading when the app or the server stops: the interpreter's teardown pulls the runtime from under it and
+    the process aborts ("terminate called without an active exception", exit 134). The app is done and the
+    terminal restored, the history committed as it went: leave at once instead. The compile starts again,
+    from its cache, next time."""
+    from pagedchat.engine.runtime import own_thread
     from pagedchat.engine.worker import compiled_decode
 
-    if compiled_decode.compiling():
+    if compiled_decode.compiling() or any(thread.name == own_thread.THREAD_NAME for thread in threading.enumerate()):
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -327,6 +333,7 @@ def serve_main(argv: list[str]) -> int:
         return 1
     if stopped_by is not None:
         print(f"pagedchat: stopped by {stopped_by.name}", file=sys.stderr)
+    leave_any_compile_or_load_behind(0)
     return 0
 
 
@@ -353,5 +360,5 @@ def serve_with_app(engine_config, config, log_path: Path) -> int:
     if app.load_error is not None:
         print(f"pagedchat: error: {app.load_error} (details in {log_path})", file=sys.stderr)
         return 1
-    leave_any_compile_behind(app.return_code or 0)
+    leave_any_compile_or_load_behind(app.return_code or 0)
     return app.return_code or 0
