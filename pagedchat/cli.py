@@ -241,11 +241,9 @@ def checked_config(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
-        # ctrl+c or SIGTERM before the server runs (it takes the signals itself then): one line
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
             return serve_main(argv[1:])
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # ctrl+c or SIGTERM before the server runs (it takes the signals itself then)
             print("pagedchat: stopped", file=sys.stderr)
             return 130
     args = build_parser().parse_args(argv)
@@ -301,6 +299,8 @@ def run_app(load_llm, model_name: str, log_path: Path, **options) -> int:
 
 def serve_main(argv: list[str]) -> int:
     args = build_serve_parser().parse_args(argv)
+    if not args.tui:  # the app takes its own keys; a headless server's SIGTERM stops it as ctrl+c does
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     log_path = log_to_file()
     try:
         if not 0 < args.port < 65536:
