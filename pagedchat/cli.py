@@ -8,7 +8,9 @@ a log file in the user's state directory, which the line names.
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import platformdirs
@@ -32,8 +34,40 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 POOL_EPILOG = (f"The KV pool defaults to {DEFAULT_NUM_KV_BLOCKS} blocks (of --block-size tokens) when neither "
-               "--num-blocks nor --kv-memory is given: for the default model (SmolLM2-135M-Instruct) "
-               "that is 8,192 tokens, about 190 MB in bfloat16.")
+               "--num-blocks nor --kv-memory is given: --model says what that holds for the default model.")
+
+
+class MemoryHelpFormatter(argparse.HelpFormatter):
+    """--model's line says what the default model holds in memory, read from its GGUF's header when the help is
+    shown (which imports torch: a second or two that no other run pays)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return f"{action.help} (default: {default_model_memory()})" if action.dest == "model" else action.help
+
+
+def default_model_memory() -> str:
+    from pagedchat.engine.loading import loader
+
+    path = loader.installed_default_model()
+    if path is None:
+        return "SmolLM2-135M-Instruct, installed on first use"
+    from pagedchat.engine.describe import gguf_memory
+
+    return f"SmolLM2-135M-Instruct: {gguf_memory(path, EngineArgs().block_size, DEFAULT_NUM_KV_BLOCKS)}"
+
+
+class VersionAction(argparse.Action):
+    """--version: the version, then which kernels multiply each kind of weights on this CPU (which imports torch
+    and builds the C kernels where they are not built yet, as a model's load would)."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from pagedchat.engine.describe import kernels_here
+
+        print(f"pagedchat {__version__}\n{kernels_here()}")
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedchat",
         description="Chat with a local LLM in several tabs at once and watch its paged KV cache live. "
                     "`pagedchat serve --help`: the same engine as an OpenAI-compatible server.",
-        epilog=POOL_EPILOG + " Keys: f1 in the app.",
+        epilog=POOL_EPILOG + " Keys: f1 in the app.", formatter_class=MemoryHelpFormatter,
     )
     add_engine_flags(parser)
     attach = parser.add_argument_group("attach to a server", "the app as a client of a vLLM server (or of "
@@ -59,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="open tabs that chat by themselves: chat (the default), pressure (a small pool that "
                              "preempts and evicts) or sharing (one system prompt, forks)")
     parser.add_argument("--no-history", action="store_true", help="do not save conversations")
-    parser.add_argument("--version", action="version", version=f"pagedchat {__version__}")
+    parser.add_argument("--version", action=VersionAction,
+                        help="the version, and which kernels multiply each kind of weights on this CPU")
     return parser
 
 
@@ -68,7 +103,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
         prog="pagedchat serve",
         description="Serve the engine over OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models), "
                     "with /health, /metrics, /tokenize, /detokenize, /v1/kv/snapshot and /v1/kv/events.",
-        epilog=POOL_EPILOG,
+        epilog=POOL_EPILOG, formatter_class=MemoryHelpFormatter,
     )
     parser.add_argument("--host", default="127.0.0.1", help="the address to bind (127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="the port (8000)")
@@ -86,9 +121,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", metavar="PATH",
-                        help="a Hugging Face model folder or a .gguf file (default: SmolLM2-135M-Instruct, "
-                             "installed on first use)")
+    parser.add_argument("--model", metavar="PATH", help="a Hugging Face model folder or a .gguf file")
     parser.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (16)")
     pool = parser.add_mutually_exclusive_group()
     pool.add_argument("--num-blocks", type=int, metavar="N",
@@ -208,7 +241,11 @@ def checked_config(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
-        return serve_main(argv[1:])
+        try:
+            return serve_main(argv[1:])
+        except KeyboardInterrupt:  # ctrl+c or SIGTERM before the server runs (it takes the signals itself then)
+            print("pagedchat: stopped", file=sys.stderr)
+            return 130
     args = build_parser().parse_args(argv)
     log_path = log_to_file()
     try:
@@ -229,18 +266,20 @@ def main(argv: list[str] | None = None) -> int:
 
     code = run_app(lambda: LLM.from_config(config), config.model_path.name, log_path,
                    theme=args.theme, demo=args.demo, history=history)
-    leave_any_compile_behind(code)
+    leave_any_compile_or_load_behind(code)
     return code
 
 
-def leave_any_compile_behind(code: int) -> None:
-    """A compile still running when the app quits is a daemon thread inside inductor's C++: the
-    interpreter's teardown pulls the runtime from under it and the process aborts ("terminate called
-    without an active exception", exit 134). The app is done and the terminal restored, the history
-    committed as it went: leave at once instead. The compile starts again, from its cache, next time."""
+def leave_any_compile_or_load_behind(code: int) -> None:
+    """A compile still running when the app quits is a daemon thread inside inductor's C++, as is a model still
+    loading when the app or the server stops: the interpreter's teardown pulls the runtime from under it and
+    the process aborts ("terminate called without an active exception", exit 134). The app is done and the
+    terminal restored, the history committed as it went: leave at once instead. The compile starts again,
+    from its cache, next time."""
+    from pagedchat.engine.runtime import own_thread
     from pagedchat.engine.worker import compiled_decode
 
-    if compiled_decode.compiling():
+    if compiled_decode.compiling() or any(thread.name == own_thread.THREAD_NAME for thread in threading.enumerate()):
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -260,6 +299,8 @@ def run_app(load_llm, model_name: str, log_path: Path, **options) -> int:
 
 def serve_main(argv: list[str]) -> int:
     args = build_serve_parser().parse_args(argv)
+    if not args.tui:  # the app takes its own keys; a headless server's SIGTERM stops it as ctrl+c does
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     log_path = log_to_file()
     try:
         if not 0 < args.port < 65536:
@@ -283,12 +324,16 @@ def serve_main(argv: list[str]) -> int:
         return serve_with_app(engine_config, config, log_path)
     print(f"pagedchat: loading {engine_config.model_path.name}; /health answers 503 until it is ready", file=sys.stderr)
     try:
-        serve(lambda: LLM.from_config(engine_config), config,
-              on_ready=lambda url: print(f"pagedchat: serving {config.model_name} on {url}/v1", file=sys.stderr))
+        stopped_by = serve(lambda: LLM.from_config(engine_config), config,
+                           on_ready=lambda url: print(f"pagedchat: serving {config.model_name} on {url}/v1",
+                                                      file=sys.stderr))
     except Exception as exc:
         logging.getLogger(__name__).exception("the server failed")
         print(f"pagedchat: error: {one_line(exc)} (details in {log_path})", file=sys.stderr)
         return 1
+    if stopped_by is not None:
+        print(f"pagedchat: stopped by {stopped_by.name}", file=sys.stderr)
+    leave_any_compile_or_load_behind(0)
     return 0
 
 
@@ -315,5 +360,5 @@ def serve_with_app(engine_config, config, log_path: Path) -> int:
     if app.load_error is not None:
         print(f"pagedchat: error: {app.load_error} (details in {log_path})", file=sys.stderr)
         return 1
-    leave_any_compile_behind(app.return_code or 0)
+    leave_any_compile_or_load_behind(app.return_code or 0)
     return app.return_code or 0

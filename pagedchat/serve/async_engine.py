@@ -14,6 +14,14 @@ from pagedchat.engine.api.snapshot import KVSnapshot
 class EngineFailure(Exception):
     """A command or a step failed for this request."""
 
+    status = 500
+
+
+class Stopping(EngineFailure):
+    """The server is shutting down: every request ends."""
+
+    status = 503
+
 
 LEFT = object()  # on a request's queue: its client is gone
 
@@ -57,6 +65,12 @@ class AsyncEngine:
     def __init__(self, thread: EngineThread, loop: asyncio.AbstractEventLoop) -> None:
         self.thread = thread
         self._post = LoopPost(loop)
+        self._queues: set[asyncio.Queue] = set()  # of the requests in flight
+
+    def stop_all(self) -> None:
+        """End every request in flight now (each raises Stopping); on the event loop."""
+        for queue in self._queues:
+            queue.put_nowait(Stopping("the server is shutting down"))
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, keep: bool = False,
                        continued: bool = False, until: asyncio.Future | None = None) -> AsyncIterator[RequestOutput]:
@@ -72,16 +86,20 @@ class AsyncEngine:
         else:
             self.thread.add(request_id, prompt, params, sink, keep=keep)
         finished = False
+        self._queues.add(queue)
         try:
             while not finished:
                 item = await queue.get()
                 if item is LEFT:
                     return
+                if isinstance(item, Stopping):  # the server's, not the engine thread's: the request still runs
+                    raise item
                 finished = isinstance(item, EngineFailure) or item.finished
                 if isinstance(item, EngineFailure):  # the engine thread has already stopped it
                     raise item
                 yield item
         finally:
+            self._queues.discard(queue)
             if not finished:
                 (self.thread.close if keep else self.thread.abort)(request_id)
 

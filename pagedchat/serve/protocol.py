@@ -20,8 +20,9 @@ class ApiError(Exception):
         self.param = param
 
     def body(self) -> dict:
-        kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                503: "ServiceUnavailableError"}.get(self.status, "InternalServerError")
+        kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+                503: "ServiceUnavailableError"}.get(self.status, "BadRequestError" if self.status < 500
+                                                    else "InternalServerError")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
 
 

@@ -2,6 +2,7 @@
 
 import asyncio
 import copy
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -26,13 +27,41 @@ class ServeConfig:
     max_sessions: int = 64
 
 
-def serve(load_llm: Callable[[], object], config: ServeConfig, on_ready: Callable[[str], None] = print) -> None:
-    """Serve until interrupted; `on_ready` hears the URL once the model is loaded. A model that fails to
-    load stops the server and raises here."""
+def serve(load_llm: Callable[[], object], config: ServeConfig,
+          on_ready: Callable[[str], None] = print) -> signal.Signals | None:
+    """Serve until SIGINT or SIGTERM, which it returns, once the requests in flight have ended; `on_ready` hears
+    the URL once the model is loaded. A model that fails to load stops the server and raises here."""
     server, state = make_server(load_llm, config, on_ready)
-    server.run()
+    # uvicorn raises the signal that stopped it again once it has stopped, under the handlers it found: Python's
+    # (a KeyboardInterrupt's traceback for ctrl+c, death by the signal for SIGTERM). These take it instead.
+    found = {sig: signal.signal(sig, lambda *_: None) for sig in STOP_SIGNALS}
+    try:
+        server.run()
+    finally:
+        for sig, handler in found.items():
+            signal.signal(sig, handler)
     if state.failure is not None:
         raise state.failure
+    return server.stopped_by
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, whose stop signal also ends the requests in flight: uvicorn alone waits for each to
+    finish, a reply of thousands of tokens."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self.stopped_by: signal.Signals | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        super().handle_exit(sig, frame)
+        self.stopped_by = self.stopped_by or signal.Signals(sig)
+        if self.state.loop is not None:  # this interrupts whatever the loop's thread was running: stop after it
+            self.state.loop.call_soon_threadsafe(self.state.stop)
 
 
 class BackgroundServer:
@@ -64,7 +93,7 @@ class BackgroundServer:
 
 
 def make_server(load_llm: Callable[[], object] | None, config: ServeConfig,
-                on_ready: Callable[[str], None] = print) -> tuple[uvicorn.Server, ServerState]:
+                on_ready: Callable[[str], None] = print) -> tuple[Server, ServerState]:
     """The server, and the state its endpoints read; it loads the model itself unless load_llm is None."""
     state = ServerState()
     threads: list[EngineThread] = []
@@ -93,7 +122,7 @@ def make_server(load_llm: Callable[[], object] | None, config: ServeConfig,
 
     app = build_app(state, config.api_key)
     app.router.lifespan_context = lifespan
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
+    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"), state)
     return server, state
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from pagedchat.engine.api.outputs import RequestOutput
 from pagedchat.engine.api.snapshot import snapshot_to_json
@@ -50,6 +51,12 @@ class ServerState:
             raise ApiError(503, "the model is loading" if not self.stopped else "the engine has stopped")
         return self.served
 
+    def stop(self) -> None:
+        """The server is going: requests get 503 from now on, and the ones in flight end at once."""
+        self.stopped = True
+        if self.served is not None:
+            self.served.engine.stop_all()
+
 
 def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     async def authorize(request: Request) -> None:  # async: a plain def would run in a worker thread
@@ -70,7 +77,24 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         if first.get("type") == "json_invalid":
             return error_response(ApiError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}"))
         where = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+        if where is None and first.get("loc", ())[:1] == ("body",):  # no JSON object came: none, or of another type
+            return error_response(ApiError(400, "the body must be a JSON object, sent as Content-Type: "
+                                                f"application/json (got {request.headers.get('content-type')!r})"))
         return error_response(ApiError(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", where))
+
+    # What Starlette and FastAPI answer by themselves (an unknown path, a method a path does not take, a body
+    # that is not UTF-8) in OpenAI's error object too, as is a bug's 500.
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        if isinstance(exc.__cause__, UnicodeDecodeError):
+            return error_response(ApiError(400, f"the body is not valid UTF-8: {exc.__cause__}"))
+        message = {404: f"no such endpoint: {request.method} {request.url.path}",
+                   405: f"{request.url.path} does not take {request.method}"}.get(exc.status_code, str(exc.detail))
+        return error_response(ApiError(exc.status_code, message), exc.headers)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception):
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
     @app.get("/health")
     async def health():
@@ -152,8 +176,8 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     return app
 
 
-def error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+def error_response(exc: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 def check_model(served: Served, model: str | None) -> None:
@@ -211,7 +235,7 @@ async def respond(run: Run, body, request: Request, chat: bool):
         async for final in outputs:
             pass
     except EngineFailure as exc:
-        raise ApiError(500, str(exc)) from exc
+        raise ApiError(exc.status, str(exc)) from exc
     if final is None or not final.finished:
         run.abandoned()
         return Response(status_code=499)  # the client left; nobody reads this
@@ -296,7 +320,7 @@ async def stream(run: Run, outputs: AsyncIterator[RequestOutput], body, chat: bo
             if choices:
                 yield chunk(choices)
     except EngineFailure as exc:
-        yield f"data: {json.dumps(ApiError(500, str(exc)).body())}\n\n"
+        yield f"data: {json.dumps(ApiError(exc.status, str(exc)).body())}\n\n"
         yield "data: [DONE]\n\n"
         return
     if final is None or not final.finished:

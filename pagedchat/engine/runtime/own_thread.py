@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+THREAD_NAME = "pagedchat-load"
 
 
 async def in_own_thread(fn: Callable[[], T]) -> T:
@@ -32,5 +33,5 @@ async def in_own_thread(fn: Callable[[], T]) -> T:
         else:
             settle(lambda: done.set_result(result))
 
-    threading.Thread(target=run, name="pagedchat-load", daemon=True).start()
+    threading.Thread(target=run, name=THREAD_NAME, daemon=True).start()
     return await done
