@@ -65,7 +65,12 @@ def test_multiturn_has_every_mode(tiny_model):
 def test_step_overhead_splits_the_step(tiny_model):
     section = step_overhead.step_overhead_section(str(tiny_model), "float32", running=(1, 2), steps=2, prompt=8)
     assert [row[0] for row in section.tables[0].rows] == [1, 2]
-    assert "model call" in columns(section) and "function" in columns(section, 1)
+    assert "model call" in columns(section) and "function" in columns(section, 2)
+    parts = {row[0]: row[1:] for row in section.tables[1].rows}  # ms per step at 1 and 2 running
+    assert set(step_overhead.PARTS) < set(parts)
+    assert all(ms > 0 for ms in parts["attention"] + parts["logits"])
+    # a Hugging Face folder's layers run product by product: the two quantized layer calls never happen
+    assert parts[step_overhead.PARTS[0]] == parts[step_overhead.PARTS[2]] == [0, 0]
 
 
 def test_sharing_uses_fewer_blocks(tiny_model):
