@@ -40,7 +40,7 @@ from pagedchat.tui.source import LocalEngine, Source
 from pagedchat.tui.tab_labels import TabLabels
 from pagedchat.tui.tabs import ChatTabs
 from pagedchat.tui.teaching import TeachingMode
-from pagedchat.tui.textual_private import place_tab_underline
+from pagedchat.tui.textual_private import place_tab_underline, read_alt_backspace_as_itself
 from pagedchat.tui.themes import DEFAULT_THEME, load_themes
 
 if TYPE_CHECKING:
@@ -73,6 +73,7 @@ class PagedChatApp(App):
                  on_engine: Callable[[object, EngineThread], None] | None = None) -> None:
         """`on_engine(llm, worker)`: told once the engine thread runs (`serve --tui` serves it too)."""
         super().__init__()
+        read_alt_backspace_as_itself()  # an editing key, which must not close the tab as ctrl+w does
         self.history = history  # None: nothing is saved (--no-history)
         for theme_obj in load_themes().values():
             self.register_theme(theme_obj)
