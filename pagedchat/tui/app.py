@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,7 @@ from pagedchat.engine.api.params import SamplingParams
 from pagedchat.engine.runtime.engine_thread import EngineThread
 from pagedchat.history import History, SavedChat
 from pagedchat.tui.chat_backend import ChatBackend
-from pagedchat.tui.chat_pane import ChatPane
+from pagedchat.tui.chat_pane import ChatPane, export_folder
 from pagedchat.tui.conversation import DEFAULT_PARAMS
 from pagedchat.tui.demo_driver import DemoDriver
 from pagedchat.tui.engine_badge import EngineBadge
@@ -254,6 +255,18 @@ class PagedChatApp(App):
     def action_toggle_contiguous(self) -> None:
         for panel in self.query(KVPanel):  # none when attached to a server that sends no grid
             self.notify("Contiguous view shown: a model." if panel.toggle_contiguous() else "Contiguous view hidden.")
+
+    def deliver_screenshot(self, filename: str | None = None, path: str | None = None,
+                           time_format: str | None = None) -> str | None:
+        """The palette's Screenshot: into the export folder, made if missing, not Textual's default
+        folder, the downloads, which may not exist (then the save failed without saying why)."""
+        folder = Path(path) if path else export_folder()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self.notify(f"Could not save the screenshot in {folder}: {one_line(exc)}", severity="error")
+            return None
+        return super().deliver_screenshot(filename, str(folder), time_format)
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
