@@ -4,6 +4,7 @@ Pilot test passes where a terminal types the letter or closes the tab."""
 
 import re
 import shutil
+import time
 
 import pytest
 from support.terminal import Terminal, tiny_chat
@@ -17,6 +18,11 @@ def box_shows(term: Terminal, *lines: str) -> None:
     one space, not the transcript's "▌", and run blank to the panel's edge (or a notice's)."""
     pattern = "".join(rf"^ {re.escape(line)} +[▏▌].*\n" for line in lines)
     term.wait_for(rf"(?m)^ +[▏▌].*\n{pattern}^ +[▏▌]", 10)
+
+
+def gone(text: str) -> str:
+    """A pattern that matches a screen without the text."""
+    return rf"\A(?![\s\S]*{re.escape(text)})"
 
 
 def test_alt_backspace_deletes_a_word_and_ctrl_w_still_closes_the_tab(tiny_model, tmp_path):
@@ -50,5 +56,42 @@ def test_alt_a_alt_l_alt_y_run_their_action_instead_of_typing_their_letter(tiny_
         box_shows(term, "X", "second line")
         term.keys("M-y")  # redo: the Y again
         box_shows(term, "X", "Y")
+    finally:
+        term.close()
+
+
+def test_the_keys_readme_lists_reach_the_app_through_a_terminal(tiny_model, tmp_path):
+    """Each key of README's list, as tmux sends it, does what README says (a notice, a dialog, the tab
+    on show); the tabs' drafts tell which tab is on show."""
+    term = tiny_chat(tiny_model, tmp_path)
+    try:
+        term.keys("-l", "one")
+        term.keys("C-n")
+        term.wait_for(r"■ chat 2", 10)
+        term.keys("-l", "two")
+        box_shows(term, "two")
+        for key, draft in (("F7", "one"), ("F8", "two"), ("M-Left", "one"), ("M-Right", "two"),
+                           ("C-PPage", "one"), ("C-NPage", "two")):
+            term.keys(key)
+            box_shows(term, draft)
+        for key, shows in (("F4", r"KV panel hidden"), ("F4", r"KV panel shown"), ("F9", r"Contiguous view shown"),
+                           ("F5", r"Engine paused"), ("F5", r"Engine resumed"), ("F3", r"Slow motion: "),
+                           ("C-e", r"Nothing to export yet"), ("C-y", r"No reply to copy yet"),
+                           ("C-r", r"no reply to regenerate"), ("C-f", r"Nothing to fork yet"),
+                           ("C-t", r"No closed chat to reopen"), ("C-o", r"No message to edit yet"),
+                           ("F2", r"chat 2: settings"), ("Escape", gone("chat 2: settings")),
+                           ("F1", r"f5 +│ Pause or resume"), ("Escape", gone("Pause or resume")),
+                           ("C-p", r"Search for commands"), ("Escape", gone("Search for commands"))):
+            term.keys(key)
+            term.wait_for(shows, 10)
+        for key, text, box in (("Home", "<", "<two"), ("End", ">", "<two>")):
+            term.keys(key)
+            # A key bound on the box runs when it has bubbled up to the app; a letter typed right
+            # after it is inserted before that, which is Textual's order, not a terminal's.
+            time.sleep(1)
+            term.keys("-l", text)
+            box_shows(term, box)
+        term.keys("C-q")
+        term.wait_for(r"(?m)^exit=0$", 30)
     finally:
         term.close()
