@@ -20,6 +20,12 @@ def box_shows(term: Terminal, *lines: str) -> None:
     term.wait_for(rf"(?m)^ +[▏▌].*\n{pattern}^ +[▏▌]", 10)
 
 
+def settle() -> None:
+    """A key bound on a widget or screen (home, tab) runs once it has bubbled up to the app; a letter
+    typed right after it is inserted before that, which is Textual's order, not the terminal's."""
+    time.sleep(1)
+
+
 def gone(text: str) -> str:
     """A pattern that matches a screen without the text."""
     return rf"\A(?![\s\S]*{re.escape(text)})"
@@ -37,6 +43,14 @@ def test_alt_backspace_deletes_a_word_and_ctrl_w_still_closes_the_tab(tiny_model
         term.keys("C-w")  # DESIGN's key to close the tab, the text in its box kept for ctrl+t
         term.wait_for(r"Closed chat 1: ctrl\+t reopens it", 10)
         term.wait_for(r"■ chat 2", 10)
+        term.keys("F2")  # the settings' fields delete the word before the cursor too
+        term.wait_for(r"chat 2: settings", 10)
+        term.keys("Tab")  # the temperature, selected whole: typing replaces it
+        settle()
+        term.keys("-l", "warm day")
+        term.wait_for(r"▊ +warm day +▎", 10)
+        term.keys("M-BSpace")
+        term.wait_for(r"▊ +warm +▎", 10)
     finally:
         term.close()
 
@@ -86,9 +100,7 @@ def test_the_keys_readme_lists_reach_the_app_through_a_terminal(tiny_model, tmp_
             term.wait_for(shows, 10)
         for key, text, box in (("Home", "<", "<two"), ("End", ">", "<two>")):
             term.keys(key)
-            # A key bound on the box runs when it has bubbled up to the app; a letter typed right
-            # after it is inserted before that, which is Textual's order, not a terminal's.
-            time.sleep(1)
+            settle()
             term.keys("-l", text)
             box_shows(term, box)
         term.keys("C-q")
