@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,7 @@ from pagedchat.engine.api.params import SamplingParams
 from pagedchat.engine.runtime.engine_thread import EngineThread
 from pagedchat.history import History, SavedChat
 from pagedchat.tui.chat_backend import ChatBackend
-from pagedchat.tui.chat_pane import ChatPane
+from pagedchat.tui.chat_pane import ChatPane, export_folder
 from pagedchat.tui.conversation import DEFAULT_PARAMS
 from pagedchat.tui.demo_driver import DemoDriver
 from pagedchat.tui.engine_badge import EngineBadge
@@ -40,7 +41,7 @@ from pagedchat.tui.source import LocalEngine, Source
 from pagedchat.tui.tab_labels import TabLabels
 from pagedchat.tui.tabs import ChatTabs
 from pagedchat.tui.teaching import TeachingMode
-from pagedchat.tui.textual_private import place_tab_underline
+from pagedchat.tui.textual_private import place_tab_underline, read_alt_backspace_as_itself
 from pagedchat.tui.themes import DEFAULT_THEME, load_themes
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ class PagedChatApp(App):
                  on_engine: Callable[[object, EngineThread], None] | None = None) -> None:
         """`on_engine(llm, worker)`: told once the engine thread runs (`serve --tui` serves it too)."""
         super().__init__()
+        read_alt_backspace_as_itself()  # an editing key, which must not close the tab as ctrl+w does
         self.history = history  # None: nothing is saved (--no-history)
         for theme_obj in load_themes().values():
             self.register_theme(theme_obj)
@@ -253,6 +255,18 @@ class PagedChatApp(App):
     def action_toggle_contiguous(self) -> None:
         for panel in self.query(KVPanel):  # none when attached to a server that sends no grid
             self.notify("Contiguous view shown: a model." if panel.toggle_contiguous() else "Contiguous view hidden.")
+
+    def deliver_screenshot(self, filename: str | None = None, path: str | None = None,
+                           time_format: str | None = None) -> str | None:
+        """The palette's Screenshot: into the export folder, made if missing, not Textual's default
+        folder, the downloads, which may not exist (then the save failed without saying why)."""
+        folder = Path(path) if path else export_folder()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self.notify(f"Could not save the screenshot in {folder}: {one_line(exc)}", severity="error")
+            return None
+        return super().deliver_screenshot(filename, str(folder), time_format)
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):

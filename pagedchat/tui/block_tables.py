@@ -42,7 +42,7 @@ class BlockTables(TextPanel):
         live = [info for info in snapshot.requests if info.status != "finished"]
         shared = {b.block_id for b in snapshot.blocks if b.ref_count > 1}
         width = self.content_region.width or 1
-        key = (self.app.theme, width, tuple((info, tag_of(info.request_id)) for info in live), frozenset(shared),
+        key = (self.app.theme, width, tuple((info, tag_of(info.seq_id)) for info in live), frozenset(shared),
                marked, snapshot.block_size)
         if key == self._key:
             return
@@ -50,7 +50,7 @@ class BlockTables(TextPanel):
         colours = self.app.theme_variables
         text = Text()
         for info in live:
-            tag = tag_of(info.request_id)
+            tag = tag_of(info.seq_id)  # the sample (#i) of a reply with n > 1
             colour = colours[tag.variable]
             name = Text("■ ", style=colour)
             name.append(tag.name, style=f"bold {colour}")

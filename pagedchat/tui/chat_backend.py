@@ -18,6 +18,7 @@ class ChatBackend(Protocol):
     """Called on the UI thread."""
 
     max_len: int | None  # the longest conversation, in tokens, where known
+    limit: str  # what sets max_len, as the notices name it: "the model's context", "the KV pool"
     forks_replies: bool  # a fork takes over the reply in progress (else it starts from the last finished turn)
 
     def new_session(self, system_prompt: str | None) -> ChatSessionLike: ...
@@ -33,9 +34,11 @@ class LocalChat:
 
     forks_replies = True
 
-    def __init__(self, worker: EngineThread, tokenizer, max_len: int) -> None:
+    def __init__(self, worker: EngineThread, tokenizer, max_len: int, pool_tokens: int) -> None:
         self.worker = worker
         self.max_len = max_len
+        # A pool smaller than the model's context caps the conversations at the pool (engine config).
+        self.limit = "the KV pool" if pool_tokens <= max_len else "the model's context"
         self._tokenizer = tokenizer  # the UI thread's own copy (the engine thread has its own)
 
     def new_session(self, system_prompt: str | None) -> ChatSession:

@@ -1,6 +1,7 @@
 """One chat tab: a conversation kept resident in the engine, its transcript and its message box."""
 
 import time
+from pathlib import Path
 
 import platformdirs
 from textual import events
@@ -28,6 +29,13 @@ def samples_note(samples: list[CompletionOutput]) -> str:
     others = "\n\n".join(f"**Sample {out.index + 1}:** {visible(out.text)}" for out in samples[1:])
     return (f"*{len(samples)} samples of this reply (n = {len(samples)}), sharing its prompt's blocks: the chat "
             f"shows the first; each other goes on in a branch of its own.*\n\n{others}")
+
+
+def export_folder() -> Path:
+    """Where the app saves what a person asks it to (ctrl+e, the palette's screenshot): the documents
+    folder, not the current directory (wherever the app was started from); platformdirs honours
+    XDG_DOCUMENTS_DIR and user-dirs.dirs. The caller makes it if missing."""
+    return platformdirs.user_documents_path() / "pagedchat"
 
 
 class ChatPane(TabPane):
@@ -104,7 +112,7 @@ class ChatPane(TabPane):
             self.notify("A reply is on its way: wait for it, or press escape to stop it.", severity="warning")
         else:
             try:
-                send = self.conversation.send(text, self.max_len)
+                send = self.conversation.send(text, self.max_len, self.chat.limit)
             except MessageTooLong as exc:  # the chat is not full: the message stays in the box to shorten
                 self.notify(f"Not sent: {exc}.", severity="error")
                 return False
@@ -167,12 +175,11 @@ class ChatPane(TabPane):
         self.notify(f"Copied {len(reply.text)} characters.")
 
     def export(self) -> None:
-        """Save the conversation as Markdown in the documents folder, not the current directory
-        (wherever the app was started from); platformdirs honours XDG_DOCUMENTS_DIR and user-dirs.dirs."""
+        """Save the conversation as Markdown in the export folder."""
         if not self.conversation.turns:
             self.notify("Nothing to export yet.", severity="warning")
             return
-        path = platformdirs.user_documents_path() / "pagedchat" / f"{self.id}-{time.strftime('%Y%m%d-%H%M%S')}.md"
+        path = export_folder() / f"{self.id}-{time.strftime('%Y%m%d-%H%M%S')}.md"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(self.conversation.markdown(self.title), encoding="utf-8")
@@ -276,7 +283,7 @@ class ChatPane(TabPane):
         # The backend's count: a server applies the chat template itself.
         if self.max_len is not None and prompt + len(completion.token_ids) >= self.max_len - 1:
             note = "context full"
-            self._context_full(f"the conversation has reached the model's context of {self.max_len} tokens")
+            self._context_full(f"the conversation has reached the {self.max_len} tokens {self.chat.limit} holds")
         if len(output.outputs) > 1:
             await self._transcript.mount(ChatMessage("notice", samples_note(output.outputs)))
         # It wraps where the chat is narrow (a layout once a turn).

@@ -66,9 +66,9 @@ class Conversation:
     def last_reply(self) -> Turn | None:
         return self.turns[-1] if self.turns and self.turns[-1].role == "assistant" else None
 
-    def send(self, text: str, max_len: int | None = None) -> Send:
+    def send(self, text: str, max_len: int | None = None, limit: str = "the model's context") -> Send:
         """Add the user's message; raise ContextFull, or MessageTooLong if a new chat would not take it
-        either, changing nothing."""
+        either, changing nothing. `limit`: what sets `max_len`, for the message."""
         new_ids = self._session.user_turn(text)
         if max_len is not None and self.num_tokens >= max_len:
             held = self.num_tokens - len(new_ids)
@@ -77,9 +77,9 @@ class Conversation:
             self._replay(self.turns)  # user_turn changed the session: undo it
             if alone >= max_len:
                 raise MessageTooLong(f"the message is {len(text):,} characters, {alone:,} tokens with the chat "
-                                     f"template, and the model's context holds {max_len:,}: shorten it")
-            raise ContextFull(f"the conversation has {held} of the model's "
-                              f"{max_len} tokens; this message needs {len(new_ids)} more")
+                                     f"template, and {limit} holds {max_len:,}: shorten it")
+            raise ContextFull(f"the conversation has {held} of the {max_len} tokens {limit} holds; "
+                              f"this message needs {len(new_ids)} more")
         self.turns.append(Turn("user", text, system_prompt=self.system_prompt))
         if self._request is None:
             return self._new_request()

@@ -48,8 +48,13 @@ class HelpScreen(ModalScreen):
     """
 
     def compose(self) -> ComposeResult:
-        rows = [f"| `{b.key_display or self.app.get_key_display(b)}` | {b.description} |"
-                for b in self.app.BINDINGS if isinstance(b, Binding) and b.description]
+        # One row a key: f5's two bindings (pause, resume; one shown at a time) share theirs.
+        actions: dict[str, list[str]] = {}
+        for b in self.app.BINDINGS:
+            if isinstance(b, Binding) and b.description:
+                actions.setdefault(b.key_display or self.app.get_key_display(b), []).append(b.description)
+        rows = [f"| `{key}` | {what[0]}{''.join(' or ' + other.lower() for other in what[1:])} |"
+                for key, what in actions.items()]
         keys = "## Keys\n\n| Key | Action |\n| :- | :- |\n" + "\n".join(rows)
         keys += "\n| `enter` | Send the message |\n| `ctrl+j` | New line in the message |"
         keys += "\n| `ctrl+p` | Command palette: every action, themes, slow motion |"

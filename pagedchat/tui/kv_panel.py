@@ -23,7 +23,7 @@ def legend_text(colours: dict[str, str], grid: BlockGrid | None = None) -> Text:
     text = Text()
     for glyph, style, label in (("█", colours["session-0"], "in use"),
                                 ("▄", colours["session-0"], "partial"),
-                                ("2", f"bold {colours['block-shared']} on {colours['session-0']}", "shared×ref"),
+                                ("2", f"bold {colours['block-shared']} on {colours['session-0']}", "shared by 2"),
                                 ("░", colours["block-cached"], "cached"),
                                 ("·", colours["block-free"], "free")):
         text.append(glyph, style=style)

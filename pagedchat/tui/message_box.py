@@ -7,7 +7,7 @@ from textual.widgets import TextArea
 
 
 # The message box's editing keys that the app's keys take, and what to press instead.
-SHADOWED = (("ctrl+w", "delete the word before the cursor", "ctrl+backspace or alt+backspace"),
+SHADOWED = (("ctrl+w", "delete the word before the cursor", "alt+backspace"),
             ("ctrl+e", "go to the end of the line", "end"),
             ("ctrl+y", "redo", "alt+y"),
             ("f6", "select the line", "alt+l"),
@@ -25,8 +25,11 @@ class MessageBox(TextArea):
     | alt+l | Select the line (the app takes f6). |
     | alt+a | Select all (the app takes f7). |
 
-    The app's keys also take ctrl+w and ctrl+e, whose TextArea alternatives remain: ctrl+backspace or
-    alt+backspace delete a word, end goes to the end of the line (`SHADOWED` lists them for f1).
+    The app's keys also take ctrl+w and ctrl+e, whose TextArea alternatives remain: alt+backspace
+    deletes a word, end goes to the end of the line (`SHADOWED` lists them for f1).
+
+    A terminal sends alt+a as ESC a, which Textual reads as the key alt+a with the character "a":
+    TextArea would type the "a" before any binding ran, so the box's own keys run their action first.
     """
 
     BINDINGS = [
@@ -35,6 +38,7 @@ class MessageBox(TextArea):
         Binding("alt+l", "select_line", "Select line", show=False),
         Binding("alt+a", "select_all", "Select all", show=False),
     ]
+    _ACTIONS = {key: binding.action for binding in BINDINGS for key in binding.key.split(",")}
 
     DEFAULT_CSS = """
     MessageBox {
@@ -71,6 +75,11 @@ class MessageBox(TextArea):
             event.stop()
             event.prevent_default()
             self.post_message(self.Submitted(self, self.text))
+            return
+        if (action := self._ACTIONS.get(event.key)) is not None:
+            event.stop()
+            event.prevent_default()
+            await self.run_action(action)
             return
         await super()._on_key(event)
 

@@ -38,6 +38,7 @@ class MessageSession:
 
 class RemoteChat:
     forks_replies = False  # a fork is a new conversation with the same history, sent at its next turn
+    limit = "the model's context"  # as the server reports it
 
     def __init__(self, client: ApiClient, max_len: int | None) -> None:
         self.client = client

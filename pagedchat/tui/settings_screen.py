@@ -23,6 +23,13 @@ FIELDS = (
 )
 
 
+class Field(Input):
+    """An Input whose alt+backspace deletes the word before the cursor, as everywhere else in the app
+    (Textual's Input binds it to the word after; a terminal's ESC DEL reaches it as alt+backspace)."""
+
+    BINDINGS = [Binding("alt+backspace", "delete_left_word", "Delete left to start of word", show=False)]
+
+
 @dataclass(frozen=True)
 class TabSettings:
     system_prompt: str | None
@@ -81,7 +88,7 @@ class SettingsScreen(ModalScreen[TabSettings | None]):
                     for name, label, hint in row:
                         with Vertical():
                             yield Label(label)
-                            yield Input(_shown(getattr(params, name)), id=name, tooltip=hint)
+                            yield Field(_shown(getattr(params, name)), id=name, tooltip=hint)
             yield Static(id="error")
             with Horizontal(id="buttons"):
                 yield Button("Cancel", id="cancel")

@@ -85,7 +85,9 @@ class LocalEngine:
         self.engine = llm.engine
         self.worker = EngineThread(self.engine, on_command=self._on_command)
         self.worker.start()
-        self.chat = LocalChat(self.worker, self.tokenizer, self.engine.config.max_model_len)
+        pool = self.worker.snapshot
+        self.chat = LocalChat(self.worker, self.tokenizer, self.engine.config.max_model_len,
+                              pool.num_blocks * pool.block_size)
         # which products and attention run here, and any C kernel that could not be built, with why
         plan = getattr(getattr(self.engine, "runner", None), "plan", None)  # None: a stand-in engine (tests)
         if self._notify is not None and plan is not None:

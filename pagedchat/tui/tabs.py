@@ -52,9 +52,13 @@ class ChatTabs:
         return pane if isinstance(pane, ChatPane) else None
 
     def tag_of(self, request_id: str) -> SessionTag:
-        """A request's tab, open or closed (the event log still names a closed tab's blocks)."""
+        """A request's tab, open or closed (the event log still names a closed tab's blocks); a sample
+        of a reply with n > 1 (`seq_id` `...#i`) is the tab's name and `#i`."""
         key = RequestKey.parse(request_id)
-        return (self._tags.get(key.conversation) if key else None) or SessionTag.fallback(request_id)
+        tag = self._tags.get(key.conversation) if key else None
+        if tag is None:
+            return SessionTag.fallback(request_id)
+        return tag._replace(name=f"{tag.name} #{key.sample}") if key.sample else tag
 
     def new_conversation(self, system_prompt: str | None = None,
                          params: SamplingParams | None = None) -> tuple[Conversation, str]:
@@ -124,7 +128,7 @@ class ChatTabs:
                              "then fork.", severity="warning")
             return None
         twin = source.conversation.fork(self._next_key())
-        pane = await self.open(twin, f"{source.title}′")
+        pane = await self.open(twin, f"{source.title}′", self._saved(source))
         chat.fork(source.conversation.request_id, twin.request_id, WidgetSink(pane))
         if source.replying:
             pane.start_forked_reply(source.reply_text)
@@ -142,10 +146,17 @@ class ChatTabs:
 
         async def edit(index: int | None) -> None:
             if index is not None:
-                await self.open(source.conversation.branch(self._next_key(), turns[:index]), f"{source.title} (edit)")
+                await self.open(source.conversation.branch(self._next_key(), turns[:index]), f"{source.title} (edit)",
+                                self._saved(source))
                 self.carry_over(turns[index].text, sent=False)
 
         self._app.push_screen(EditScreen(source.title, messages), edit)
+
+    @staticmethod
+    def _saved(source: ChatPane) -> bool:
+        """Whether a tab made from the source (a fork, an edit) is kept in the history: as the source is,
+        so nothing of a demo is saved."""
+        return source.record is not None
 
     async def restore(self, saved: list[SavedChat], restore: bool) -> None:
         """The chats open when the app last quit: as tabs (`restore`), or closed in the history."""

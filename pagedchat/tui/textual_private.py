@@ -6,7 +6,9 @@ a wrong screen or costing frames again.
 """
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
+from textual._ansi_sequences import ANSI_SEQUENCES_KEYS
 from textual.content import Content
 from textual.geometry import Size
 from textual.reactive import Reactive
@@ -60,3 +62,16 @@ def keep_block_content(block, content: Content) -> None:
     """What `MarkdownBlock.set_content` records besides updating: MarkdownParagraph copies it from the
     new block to the shown one when a streamed reply updates."""
     block._content = content
+
+
+# What a terminal sends for alt+backspace (xterm, tmux, VTE, ... without the kitty keyboard protocol).
+ESC_DEL = "\x1b\x7f"
+
+
+def read_alt_backspace_as_itself() -> None:
+    """Textual reads ESC DEL as ctrl+w (readline's meaning of both: delete a word), so alt+backspace
+    would close the tab, which ctrl+w does in this app. Read as alt+backspace, it reaches TextArea's own
+    binding for that key, which deletes the word; a real ctrl+w (^W) is unchanged. The parser's table has
+    no public setter; it reads an entry as a tuple of keys and takes each one's `value` (Textual's `Keys`
+    enum has no alt+backspace to put there)."""
+    ANSI_SEQUENCES_KEYS[ESC_DEL] = (SimpleNamespace(value="alt+backspace"),)

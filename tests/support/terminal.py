@@ -44,3 +44,18 @@ def pagedchat(*args: str, state: Path) -> str:
     command = shlex.join(["env", "-u", "COLUMNS", "-u", "LINES", f"XDG_STATE_HOME={state}",
                           f"XDG_DATA_HOME={state}", sys.executable, "-m", "pagedchat", *args])
     return f"{command}; echo exit=$?; sleep 600"
+
+
+def tiny_chat(tiny_model: Path, state: Path) -> Terminal:
+    """The app on the tiny model with a 64-block pool, loaded and waiting for a message."""
+    term = Terminal(pagedchat("--model", str(tiny_model), "--dtype", "float32", "--device", "cpu",
+                              "--num-blocks", "64", state=state))
+    term.wait_for(r"free 64/64 blocks", STARTUP_S)
+    return term
+
+
+def send(term: Terminal, text: str) -> None:
+    """Type a message and wait until it is in the conversation (the tiny model may have answered it
+    whole between two frames, so "generating" need not ever show)."""
+    term.keys(text, "Enter")
+    term.wait_for(rf"(?m)^ *▌ {re.escape(text)}", 30)

@@ -1,7 +1,6 @@
 """The real app in a real terminal: tmux starts `pagedchat`, send-keys types, capture-pane reads."""
 
 import json
-import re
 import shutil
 import sqlite3
 import subprocess
@@ -9,25 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
-from support.terminal import STARTUP_S, Terminal, pagedchat
+from support.terminal import STARTUP_S, Terminal, pagedchat, send, tiny_chat
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None,
                                 reason="tmux is not installed (apt-get install tmux); .ci/run installs it")
-
-
-def tiny_chat(tiny_model, state: Path) -> Terminal:
-    """The app on the tiny model with a 64-block pool, loaded and waiting for a message."""
-    term = Terminal(pagedchat("--model", str(tiny_model), "--dtype", "float32", "--device", "cpu",
-                              "--num-blocks", "64", state=state))
-    term.wait_for(r"free 64/64 blocks", STARTUP_S)
-    return term
-
-
-def send(term: Terminal, text: str) -> None:
-    """Type a message and wait until it is in the conversation (the tiny model may have answered it
-    whole between two frames, so "generating" need not ever show)."""
-    term.keys(text, "Enter")
-    term.wait_for(rf"(?m)^ *▌ {re.escape(text)}", 30)
 
 
 def test_chat_in_a_real_terminal(tiny_model, tmp_path):

@@ -3,6 +3,7 @@ here, by name."""
 
 import inspect
 
+from textual._xterm_parser import XTermParser
 from textual.content import Content
 from textual.reactive import Reactive
 from textual.widget import Widget
@@ -42,3 +43,9 @@ def test_markdown_blocks_still_keep_their_content_where_paragraphs_copy_it():
     block = object.__new__(textual_private.MarkdownParagraph)
     textual_private.keep_block_content(block, Content("text"))
     assert block._content == Content("text")
+
+
+def test_the_terminal_parser_reads_esc_del_as_alt_backspace_and_ctrl_w_as_itself():
+    textual_private.read_alt_backspace_as_itself()
+    keys = [event.key for data in (textual_private.ESC_DEL, "\x17") for event in XTermParser().feed(data)]
+    assert keys == ["alt+backspace", "ctrl+w"]
