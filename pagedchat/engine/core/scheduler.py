@@ -17,12 +17,23 @@ class ScheduledSeq:
         self.samples = self.seq.num_computed_tokens + self.num_tokens == len(self.seq)
 
 
+MAX_WAIT_STEPS = 64  # a turn: a request queued this long is due, one admitted this long may yield to it
+
+
 class Scheduler:
     """One step's work: running sequences first, then waiting ones, within a token budget and a sequence cap.
 
     There are no prefill and decode phases: every sequence gets the tokens it still needs (a long prompt
     in chunks). When the pool runs dry, parked conversations are released first (least recently used),
     then the newest running sequence is preempted and goes back to the front of the queue.
+
+    Waiting requests go first come, first served, but one that needs more blocks than the pool can
+    give now does not hold up those behind it that fit (a conversation as large as the pool would
+    otherwise stop every other tab): they go ahead, until its turn was queued MAX_WAIT_STEPS ago (a
+    preemption does not restart that count). From then on it is due: nothing passes it, and if it
+    cannot fit, running requests admitted at least MAX_WAIT_STEPS ago are preempted for it, the largest
+    first, provided that makes room. So a request that fills the pool takes turns of at least
+    MAX_WAIT_STEPS steps with the others, and the others wait about a turn at most.
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
@@ -34,9 +45,18 @@ class Scheduler:
         self.parked: dict[str, Sequence] = {}  # least recently used first
         self.num_preemptions = 0
 
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        seq.queued_at = self.kv.pool.step
+        self.waiting.append(seq)
+
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
+        due = [seq for seq in self.waiting if self._since(seq.queued_at) >= MAX_WAIT_STEPS]
+        if due:
+            # Before the running ones are scheduled: a victim must not be in this step's batch.
+            self._make_room(due[0])
         for seq in list(self.running):
             if budget == 0 or len(scheduled) == self.max_num_seqs:  # forks join running past the cap
                 break
@@ -54,20 +74,64 @@ class Scheduler:
                 scheduled.append(ScheduledSeq(seq, num_tokens))
                 budget -= num_tokens
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            cached = self.kv.cached_prefix(seq)
-            num_tokens = min(len(seq) - seq.num_computed_tokens - len(cached) * self.kv.block_size, budget)
-            while not self.kv.allocate(seq, num_tokens, cached):
-                if not self._reclaim(exclude=seq):
-                    return scheduled
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            seq.num_cached_tokens = seq.num_computed_tokens
-            self.running.append(seq)
+        for seq in due + [seq for seq in self.waiting if seq not in due]:
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            num_tokens = self._admit(seq, budget)
+            if num_tokens is None:
+                if seq in due:
+                    break  # its turn: nothing passes it
+                continue
             scheduled.append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens
         return scheduled
+
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """Move seq from waiting to running with the blocks for its next chunk (reclaiming idle blocks if
+        need be): the chunk's tokens, or None if it does not fit."""
+        cached, num_tokens = self._next_chunk(seq, budget)
+        while not self.kv.allocate(seq, num_tokens, cached):
+            if not self._reclaim(exclude=seq):
+                return None
+        self.waiting.remove(seq)
+        seq.status = Status.RUNNING
+        seq.admitted_at = self.kv.pool.step
+        seq.num_cached_tokens = seq.num_computed_tokens
+        self.running.append(seq)
+        return num_tokens
+
+    def _next_chunk(self, seq: Sequence, budget: int) -> tuple[list[int], int]:
+        """The prefix cache's blocks for a waiting seq, and the tokens it would compute next."""
+        cached = self.kv.cached_prefix(seq)
+        return cached, min(len(seq) - seq.num_computed_tokens - len(cached) * self.kv.block_size, budget)
+
+    def _since(self, step: int) -> int:
+        return self.kv.pool.step - step
+
+    def _make_room(self, seq: Sequence) -> None:
+        """Preempt, the largest first, running requests that have had their turn, if that frees enough
+        blocks (with the free and the idle ones) for seq's next chunk; else preempt none: it waits for
+        the running ones to finish or to have had their turn."""
+        cached, num_tokens = self._next_chunk(seq, self.max_num_batched_tokens)
+        idle = [s for s in (*self.parked.values(), *self.waiting) if s is not seq]
+        short = self.kv.blocks_needed(seq, num_tokens, cached) - self.kv.pool.num_free - sum(map(self._own, idle))
+        if short <= 0:
+            return
+        victims = sorted((s for s in self.running if self._since(s.admitted_at) >= MAX_WAIT_STEPS),
+                         key=self._own, reverse=True)
+        chosen = []
+        for victim in victims:
+            if short <= 0:
+                break
+            chosen.append(victim)
+            short -= self._own(victim)
+        if short <= 0:
+            for victim in chosen:
+                self.preempt(victim)
+
+    def _own(self, seq: Sequence) -> int:
+        """The blocks that freeing seq would return to the pool: those no other sequence holds."""
+        return sum(1 for block_id in seq.block_table if self.kv.pool.blocks[block_id].ref_count == 1)
 
     def _reclaim(self, exclude: Sequence) -> bool:
         """Free the blocks of one idle sequence: a parked conversation (least recently used first), else a
