@@ -1,7 +1,7 @@
 """A request that needs nearly the whole pool, queued behind a long reply, with short chats arriving
 behind it: it must not hold them up (head-of-line blocking), nor wait forever itself, nor make the pool churn."""
 
-from itertools import pairwise
+from collections import Counter
 
 from support.engine import GREEDY, make_llm, random_prompts
 
@@ -67,9 +67,7 @@ def test_a_request_as_large_as_the_pool_neither_blocks_the_others_nor_starves(ti
     assert max(shorts) <= MAX_WAIT_STEPS, f"a short request waited {max(shorts)} steps"
     # Its turn comes: after MAX_WAIT_STEPS, what runs (the medium one, the short ones) makes room for it.
     assert longest["large"] <= 2 * MAX_WAIT_STEPS
-    # No churn: a few preemptions, each request's a turn apart at least.
-    preempted = [(e.step, e.request_id) for e in events if e.kind == "preempt"]
-    assert len(preempted) <= 2 + SHORT_TABS, preempted
-    for rid in {rid for _, rid in preempted}:
-        steps = [step for step, r in preempted if r == rid]
-        assert all(b - a >= MAX_WAIT_STEPS for a, b in pairwise(steps)), (rid, steps)
+    # No churn: a preemption costs a recompute, so there are few, and none of a request over and over.
+    preempted = Counter(e.request_id for e in events if e.kind == "preempt")
+    assert preempted["large"] <= 1 and max(preempted.values()) <= 3, preempted
+    assert preempted.total() <= len(replies) // 4, preempted

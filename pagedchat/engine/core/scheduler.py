@@ -29,11 +29,12 @@ class Scheduler:
 
     Waiting requests go first come, first served, but one that needs more blocks than the pool can
     give now does not hold up those behind it that fit (a conversation as large as the pool would
-    otherwise stop every other tab): they go ahead, until its turn was queued MAX_WAIT_STEPS ago (a
-    preemption does not restart that count). From then on it is due: nothing passes it, and if it
-    cannot fit, running requests admitted at least MAX_WAIT_STEPS ago are preempted for it, the largest
-    first, provided that makes room. So a request that fills the pool takes turns of at least
-    MAX_WAIT_STEPS steps with the others, and the others wait about a turn at most.
+    otherwise stop every other tab): they go ahead. Once its turn was queued MAX_WAIT_STEPS ago (a
+    preemption does not restart that count) it is due, the oldest first: if it cannot fit, running
+    requests are preempted for it, the largest first, provided that makes room; those admitted at
+    least MAX_WAIT_STEPS ago, or admitted past it while it was due. So a request that fills the pool
+    takes turns of at least MAX_WAIT_STEPS steps with the others, and the others wait about a turn at
+    most, while the free blocks are never left idle.
     """
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
@@ -53,7 +54,9 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
-        due = [seq for seq in self.waiting if self._since(seq.queued_at) >= MAX_WAIT_STEPS]
+        # The oldest turn first (a preempted request sits at the queue's front, whatever its age).
+        due = sorted((seq for seq in self.waiting if self._since(seq.queued_at) >= MAX_WAIT_STEPS),
+                     key=lambda seq: seq.queued_at)
         if due:
             # Before the running ones are scheduled: a victim must not be in this step's batch.
             self._make_room(due[0])
@@ -74,28 +77,29 @@ class Scheduler:
                 scheduled.append(ScheduledSeq(seq, num_tokens))
                 budget -= num_tokens
 
+        passing = False  # a due request did not fit: those admitted now pass it
         for seq in due + [seq for seq in self.waiting if seq not in due]:
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            num_tokens = self._admit(seq, budget)
+            num_tokens = self._admit(seq, budget, passing)
             if num_tokens is None:
-                if seq in due:
-                    break  # its turn: nothing passes it
+                passing = passing or seq in due
                 continue
             scheduled.append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens
         return scheduled
 
-    def _admit(self, seq: Sequence, budget: int) -> int | None:
+    def _admit(self, seq: Sequence, budget: int, passing: bool) -> int | None:
         """Move seq from waiting to running with the blocks for its next chunk (reclaiming idle blocks if
-        need be): the chunk's tokens, or None if it does not fit."""
+        need be): the chunk's tokens, or None if it does not fit. One that `passing` a due request gets
+        no turn of its own: that request may preempt it at once."""
         cached, num_tokens = self._next_chunk(seq, budget)
         while not self.kv.allocate(seq, num_tokens, cached):
             if not self._reclaim(exclude=seq):
                 return None
         self.waiting.remove(seq)
         seq.status = Status.RUNNING
-        seq.admitted_at = self.kv.pool.step
+        seq.admitted_at = self.kv.pool.step - (MAX_WAIT_STEPS if passing else 0)
         seq.num_cached_tokens = seq.num_computed_tokens
         self.running.append(seq)
         return num_tokens
