@@ -65,9 +65,9 @@ def test_a_request_as_large_as_the_pool_neither_blocks_the_others_nor_starves(ti
     # Before: the short ones queued behind the large one until the medium and the large had both
     # finished (~200 steps); they go ahead of it now, while it waits its turn.
     assert max(shorts) <= MAX_WAIT_STEPS, f"a short request waited {max(shorts)} steps"
-    # Its turn comes: after MAX_WAIT_STEPS, what runs (the medium one, the short ones) makes room for it.
-    assert longest["large"] <= 2 * MAX_WAIT_STEPS
+    # Its turn comes at the end of the medium one's reply: the short ones admitted past it make room.
+    assert longest["large"] <= MEDIUM[1] + MAX_WAIT_STEPS
     # No churn: a preemption costs a recompute, so there are few, and none of a request over and over.
     preempted = Counter(e.request_id for e in events if e.kind == "preempt")
-    assert preempted["large"] <= 1 and max(preempted.values()) <= 3, preempted
+    assert preempted["large"] <= 1 and max(preempted.values()) <= 2, preempted
     assert preempted.total() <= len(replies) // 4, preempted
