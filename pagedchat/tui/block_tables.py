@@ -93,11 +93,11 @@ def wait_reason(info: RequestInfo, snapshot: KVSnapshot, tag_of: Callable[[str],
         return None
     need = -(-info.num_tokens // snapshot.block_size) - len(info.block_table)
     free = snapshot.num_free_blocks
+    reason = f"needs {need} block{'s' if need != 1 else ''}, {free} free"
     if need <= free:
-        return f"needs {need} blocks, {free} free: it starts when its turn comes"
+        return f"{reason}: it starts when its turn comes"
     holder = max((r for r in snapshot.requests if r.seq_id != info.seq_id), key=lambda r: len(r.block_table),
                  default=None)
-    reason = f"needs {need} blocks, {free} free"
     if holder is None or not holder.block_table:
         return reason
     return (f"{reason}: {tag_of(holder.request_id).name} holds {len(holder.block_table)}/{snapshot.num_blocks}, "
