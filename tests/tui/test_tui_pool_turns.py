@@ -22,7 +22,7 @@ async def test_the_panel_says_who_holds_the_pool_while_a_tab_waits(make_app):
         while len(app.worker.snapshot.block_tables.get("chat-1.1", ())) < 20:
             step = app.worker.snapshot.step
             await pilot.press("f6")
-            await wait_until(pilot, lambda: app.worker.snapshot.step > step, what="one step")
+            await wait_until(pilot, lambda step=step: app.worker.snapshot.step > step, what="one step")
         await pilot.press("ctrl+n")
         second = app.current_pane
         second.send("hi")
