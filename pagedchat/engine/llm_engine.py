@@ -146,8 +146,7 @@ class LLMEngine:
                 f"{self.config.max_model_len}, KV pool {self.config.num_kv_blocks * self.config.block_size} tokens)",
             )
             return
-        seq.status = Status.WAITING
-        self.scheduler.waiting.append(seq)
+        self.scheduler.add(seq)
 
     def _fork(self, src: Sequence, seq_id: str, request_id: str, index: int, params: SamplingParams | None) -> Sequence:
         dst = replace(

@@ -361,6 +361,9 @@ class PagedChatApp(App):
                                     lambda action=binding.action: self.run_action(action))
         yield SystemCommand("Demo: start/stop", "Tabs that chat by themselves from built-in prompts",
                             self.action_toggle_demo)
+        if (pane := self.current_pane) is not None and pane.full and pane.conversation.num_tokens:
+            yield SystemCommand("Continue in a new tab", "This full chat's system prompt and latest turns, in a branch",
+                                lambda: self.tabs.carry_on(pane))
         for name in load_themes():
             yield SystemCommand(f"Theme: {name}", f"Switch to the {name} theme",
                                 lambda name=name: setattr(self, "theme", name))

@@ -1,22 +1,30 @@
 """Each session's block table: logical block i lives in physical block table[i]."""
 
+import textwrap
 from collections.abc import Callable
 
 from rich.text import Text
 
-from pagedchat.engine.api.snapshot import KVSnapshot
+from pagedchat.engine.api.snapshot import KVSnapshot, RequestInfo
 from pagedchat.tui.step_marks import StepTouch, step_touch
 from pagedchat.tui.text_panel import TextPanel, flow
 from pagedchat.tui.themes import SessionTag
 
 EMPTY = "no block tables yet"
+HOLDING = {  # why a request holds its blocks, as the scheduler treats it (engine/core/scheduler.py)
+    "running": "generating; they take turns",
+    "parked": "parked; released when needed",
+    "waiting": "waiting too",
+    "preempted": "waiting too",
+}
 
 
 class BlockTables(TextPanel):
     """One entry per live request, in its session's colour; shared entries are underlined. A table
     longer than a line goes on in lines of its own, indented, so that every block id shows (and its
-    heading too, on a narrow panel). With the step marks on, the entries the last step wrote are
-    reversed and a line under the table says what it read and wrote."""
+    heading too, on a narrow panel). Under a request that waits, a line says why (`wait_reason`). With
+    the step marks on, the entries the last step wrote are reversed and a line under the table says what
+    it read and wrote."""
 
     DEFAULT_CSS = """
     BlockTables {
@@ -43,7 +51,7 @@ class BlockTables(TextPanel):
         shared = {b.block_id for b in snapshot.blocks if b.ref_count > 1}
         width = self.content_region.width or 1
         key = (self.app.theme, width, tuple((info, tag_of(info.seq_id)) for info in live), frozenset(shared),
-               marked, snapshot.block_size)
+               marked, snapshot.block_size, snapshot.num_free_blocks)
         if key == self._key:
             return
         self._key = key
@@ -67,6 +75,10 @@ class BlockTables(TextPanel):
                      (", ", f"{len(info.block_table)} blocks:"), *entries]
             text.append_text(flow([words], width, indent="   "))
             text.append("\n")
+            if (reason := wait_reason(info, snapshot, tag_of)) is not None:
+                # Wrapped here: a TextPanel line does not wrap, and the end of a reason matters.
+                for index, part in enumerate(textwrap.wrap(reason, max(20, width - 5))):
+                    text.append(f"   {'↳' if index == 0 else ' '} {part}\n", style=colour)
             if touch:
                 said = flow([[("", f"   ↳ read {len(touch.read)} blocks"), (" · ", f"wrote {wrote(touch)}")]],
                             width, indent="     ")
@@ -75,6 +87,24 @@ class BlockTables(TextPanel):
                 text.append("\n")
         text.rstrip()
         self.set_text(text or Text(EMPTY))
+
+
+def wait_reason(info: RequestInfo, snapshot: KVSnapshot, tag_of: Callable[[str], SessionTag]) -> str | None:
+    """Why a waiting request waits, from the snapshot alone: the blocks it needs against the free ones,
+    and who holds the most (the scheduler takes turns with it: engine/core/scheduler.py)."""
+    if info.status not in ("waiting", "preempted"):
+        return None
+    need = -(-info.num_tokens // snapshot.block_size) - len(info.block_table)
+    free = snapshot.num_free_blocks
+    reason = f"needs {need} block{'s' if need != 1 else ''}, {free} free"
+    if need <= free:
+        return f"{reason}: it starts when its turn comes"
+    holder = max((r for r in snapshot.requests if r.seq_id != info.seq_id), key=lambda r: len(r.block_table),
+                 default=None)
+    if holder is None or not holder.block_table:
+        return reason
+    return (f"{reason}: {tag_of(holder.request_id).name} holds {len(holder.block_table)}/{snapshot.num_blocks}, "
+            f"{HOLDING.get(holder.status, holder.status)}")
 
 
 def wrote(touch: StepTouch) -> str:

@@ -7,7 +7,7 @@ import platformdirs
 from textual import events
 from textual.app import ComposeResult
 from textual.content import Content
-from textual.containers import VerticalScroll
+from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Button, Static, TabPane
 
 from pagedchat.engine.api.errors import one_line
@@ -56,8 +56,11 @@ class ChatPane(TabPane):
         padding: 0 1;
         color: $text-muted;
     }
-    ChatPane .new-chat {
+    ChatPane .new-chat, ChatPane .carry-on {
         margin: 0 0 1 2;
+    }
+    ChatPane .context-full {
+        height: auto;
     }
     """
 
@@ -307,14 +310,24 @@ class ChatPane(TabPane):
 
     def _context_full(self, reason: str) -> None:
         self.full = True
-        self._transcript.mount(ChatMessage("notice", f"**Context full:** {reason}. "
-                                                     "Start a new chat to go on (ctrl+n)."))
-        self._transcript.mount(Button("New chat", classes="new-chat", variant="primary"))
+        if not self.conversation.num_tokens:  # a server's session: the tokens are counted there, not here
+            self._transcript.mount(ChatMessage("notice", f"**Context full:** {reason}. "
+                                                         "Start a new chat to go on (ctrl+n)."))
+            self._transcript.mount(Button("New chat", classes="new-chat", variant="primary"))
+            return
+        self._transcript.mount(ChatMessage(
+            "notice", f"**Context full:** {reason}. Go on in a new tab that keeps the system prompt and the latest "
+                      "turns (this one stays as it is), or start a new chat (ctrl+n)."))
+        self._transcript.mount(Horizontal(Button("Continue in a new tab", classes="carry-on", variant="primary"),
+                                          Button("New chat", classes="new-chat"), classes="context-full"))
 
     async def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.has_class("new-chat"):
             event.stop()
             await self.run_action("app.new_chat")
+        elif event.button.has_class("carry-on"):
+            event.stop()
+            await self.app.tabs.carry_on(self)
 
     def _close_request(self, request_id: str | None) -> None:
         if request_id is not None and self.chat is not None:

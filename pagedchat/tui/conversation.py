@@ -142,6 +142,29 @@ class Conversation:
         twin._replay(turns)
         return twin
 
+    def carry_on(self, key: str, budget: int, message: str = "") -> tuple["Conversation", int]:
+        """A branch to go on from this conversation once it is full: its system prompt and the latest
+        turns (from a user message on) that take at most `budget` tokens with `message` to follow.
+        Returns it and the tokens it begins with as this one does: all that the prefix cache can serve
+        it, since every token after them sits at a new position."""
+        twin = self.branch(key, [])
+        for start in reversed([i for i, turn in enumerate(self.turns) if turn.role == "user"]):
+            longer = self.branch(key, self.turns[start:])
+            if longer._size_with(message) > budget:
+                break
+            twin = longer
+        old, new = self._session.token_ids, twin._session.token_ids
+        shared = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+        return twin, shared
+
+    def _size_with(self, message: str) -> int:
+        """Its tokens with `message` sent next."""
+        if not message:
+            return self.num_tokens
+        probe = self.branch(self.key, self.turns)
+        probe._session.user_turn(message)
+        return probe.num_tokens
+
     def _new_request(self) -> Send:
         """The whole sequence as a new engine request."""
         self._runs += 1

@@ -8,6 +8,7 @@ from textual.widgets import TabbedContent
 from pagedchat.engine.api.params import SamplingParams
 from pagedchat.engine.chat import RequestKey
 from pagedchat.history import SavedChat
+from pagedchat.tui.chat_message import ChatMessage
 from pagedchat.tui.chat_pane import ChatPane
 from pagedchat.tui.chat_record import ChatRecord, params_of
 from pagedchat.tui.conversation import Conversation, Turn
@@ -169,6 +170,28 @@ class ChatTabs:
             history.close_chat(chat.chat_id)  # a restored tab lives on as a new chat
         if not self.panes:
             await self.new()
+
+    async def carry_on(self, source: ChatPane) -> ChatPane:
+        """A full tab goes on in a new one (a branch: the full tab stays whole) with its system prompt and
+        the latest turns that fit in half the context with the message it refused, which is then sent.
+        Those turns sit at new positions, so the prefix cache cannot serve them: the notice says what
+        is computed again."""
+        box = source.query_one(MessageBox)
+        message = box.text.strip()
+        budget = (source.max_len or 0) // 2
+        twin, shared = source.conversation.carry_on(self._next_key(), budget, message)
+        pane = await self.open(twin, f"{source.title} (cont.)")
+        box.clear()
+        recomputed = twin.num_tokens - shared
+        note = (f"*Continued from {source.title}, which stays as it was: the system prompt and the latest "
+                f"{len(twin.turns)} of its {len(source.conversation.turns)} turns, {twin.num_tokens} tokens. "
+                f"Those turns now sit at other positions, so the prefix cache cannot serve them: "
+                f"{recomputed} tokens are computed again (of the {shared} both chats begin with, the whole "
+                f"blocks can come from it).*")
+        await pane.query_one("#transcript").mount(ChatMessage("notice", note))
+        self._app.notify(f"Continued in {pane.title}: {recomputed} tokens of kept turns are computed again.")
+        self.carry_over(message, sent=True)
+        return pane
 
     def carry_over(self, text: str, sent: bool) -> None:
         """Text typed elsewhere (the loading screen, an edited message, a closed tab's draft) reaches the

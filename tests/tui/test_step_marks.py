@@ -64,8 +64,9 @@ def test_a_cached_prefix_counts_as_computed_before_the_step(tiny_model):
 
 
 def test_a_preempted_request_computed_nothing_and_recomputes_after_its_cached_prefix(tiny_model):
-    # 6 blocks of 4: two 10-token prompts take 3 each; a's decode of position 12 preempts b.
-    engine = make_llm(tiny_model, block_size=4, num_kv_blocks=6, max_model_len=24).engine
+    # 7 blocks of 4: two 10-token prompts take 3 each, beside the one the scheduler keeps for a's reply
+    # when it admits b; a's decode of position 12 takes it, and b's then preempts b.
+    engine = make_llm(tiny_model, block_size=4, num_kv_blocks=7, max_model_len=24).engine
     six = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for request_id, prompt in zip("ab", random_prompts(seed=5, lengths=[10, 10])):
         engine.add_request(request_id, prompt, six)

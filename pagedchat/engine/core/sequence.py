@@ -31,6 +31,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     turn_start: int = 0  # index of this turn's first generated token
+    queued_at: int = 0  # the step at which this turn joined the waiting queue (a preemption keeps it)
+    admitted_at: int = 0  # the step at which it last left it to run
+    passed_due: bool = False  # it was admitted ahead of a due request (scheduler.py)
     generator: torch.Generator | None = None
     # This turn's output, streamed.
     text: str = ""
