@@ -14,7 +14,7 @@ from pathlib import Path
 import platformdirs
 
 from pagedchat import __version__
-from pagedchat.engine.config import DEFAULT_NUM_KV_BLOCKS, EngineArgs
+from pagedchat.engine.config import DEFAULT_NUM_KV_BLOCKS, KV_CACHE_DTYPES, EngineArgs
 from pagedchat.tui.demo import SCENES
 from pagedchat.tui.themes import DEFAULT_THEME, load_themes
 
@@ -107,6 +107,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda", help="where the model runs (auto)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="model and KV dtype (auto: bfloat16, float16 on a GPU without it)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="KV cache dtype: auto (the model's), or an 8-bit cache with a scale per slot and head, "
+                             "about twice the blocks in the same --kv-memory (auto)")
     parser.add_argument("--no-compile", action="store_true",
                         help="do not compile the decode step in the background (CPU; also PAGEDCHAT_COMPILE=0)")
 
@@ -162,7 +165,8 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
                       kv_cache_memory=args.kv_memory, max_model_len=args.max_model_len,
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                       enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.backend,
-                      dtype=args.dtype, device=args.device, compile=False if args.no_compile else None)
+                      dtype=args.dtype, device=args.device, compile=False if args.no_compile else None,
+                      kv_cache_dtype=args.kv_cache_dtype)
 
 
 def open_history():

@@ -18,6 +18,7 @@ from pagedchat.engine.core.scheduler import ScheduledSeq, Scheduler
 from pagedchat.engine.core.sequence import Sequence, Status, make_generator
 from pagedchat.engine.api.snapshot import BlockInfo, KVSnapshot, RequestInfo
 from pagedchat.engine.runtime.threads import ThreadPolicy
+from pagedchat.kernels import kv_quant
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch threads; None: the cores other processes leave free (threads.py)
     compile: bool = True  # compile the decode step in the background (CPU, torch backend; compiled_decode.py)
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype; torch.int8 / torch.uint8: kv_quant.py
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
@@ -61,7 +63,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.threads = ThreadPolicy() if config.num_threads is None else None
         self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size, attention_ops, config.max_model_len,
-                                  config.compile)
+                                  config.compile, config.kv_cache_dtype)
         log.info("kernel plan: %s", self.runner.plan.describe())
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.groups: dict[str, list[Sequence]] = {}  # request id -> its samples: the requests the engine knows
@@ -334,6 +336,8 @@ class LLMEngine:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             tokens_per_second=sum(n for _, n in self._rate) / RATE_WINDOW_S,
             events=tuple(self.pool.events),
+            kv_cache_dtype=kv_quant.NAMES[self.runner.kv_cache_dtype],
+            bytes_per_block=self.runner.bytes_per_block,
         )
 
 
