@@ -221,9 +221,13 @@ def main(argv: list[str] | None = None) -> int:
             check_flags(args)
             return run_app(None, target.url, log_path, attach=target, theme=args.theme, demo=args.demo)
         scene = SCENES[args.demo] if args.demo else None
-        if scene and scene.num_blocks and args.num_blocks is None and args.kv_memory is None:
+        scene_pool = scene and scene.num_blocks and args.num_blocks is None and args.kv_memory is None
+        if scene_pool:
             args.num_blocks = scene.num_blocks  # the scene's pool, unless the user sized one
         config = checked_config(args)
+        if scene_pool and args.kv_cache_dtype in ("int8", "fp8"):  # the scene's bytes, which hold more 8-bit blocks
+            args.num_blocks, args.kv_memory = None, scene.num_blocks * sixteen_bit_block(config)
+            config = checked_config(args)
         history = None if args.no_history else open_history()
     except UsageError as exc:
         print(f"pagedchat: error: {exc}", file=sys.stderr)
@@ -235,6 +239,15 @@ def main(argv: list[str] | None = None) -> int:
                    theme=args.theme, demo=args.demo, history=history)
     leave_any_compile_behind(code)
     return code
+
+
+def sixteen_bit_block(config) -> int:
+    """The bytes of one block of a bf16 cache for this config's model: the unit a scene's pool is made of."""
+    import torch
+
+    from pagedchat.engine.worker.model_runner import KVLayout
+
+    return KVLayout.of(config.model_config).bytes_per_block(config.engine.block_size, torch.bfloat16)
 
 
 def leave_any_compile_behind(code: int) -> None:

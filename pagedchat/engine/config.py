@@ -104,7 +104,8 @@ class EngineArgs:
             num_kv_blocks=num_blocks, max_model_len=context, block_size=self.block_size,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching, num_threads=self.num_threads,
-            compile=compiling_by_default() if self.compile is None else self.compile, kv_cache_dtype=cache_dtype)
+            compile=compiling_by_default() if self.compile is None else self.compile, kv_cache_dtype=cache_dtype,
+            weights_bytes=weights_bytes)
         return ResolvedConfig(self, Path(path), model_config, device, dtype, attention_ops, engine, bytes_per_block,
                               weights_bytes)
 

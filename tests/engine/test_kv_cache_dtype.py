@@ -86,3 +86,50 @@ def test_a_16_bit_cache_under_an_fp32_model_stores_and_reads_bf16(tiny_model):
     out = llm.generate([list(range(3, 40))], SamplingParams(max_tokens=8, **GREEDY))[0]
     assert len(out.token_ids) == 8
     assert llm.engine.kv_snapshot().kv_cache_dtype == "bfloat16"
+
+
+def test_the_snapshot_and_metrics_say_the_cache_its_bytes_the_other_width_and_the_weights(tiny_model):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedchat.serve import metrics
+
+    llm = make_llm(tiny_model, num_kv_blocks=50, kv_cache_dtype="int8")
+    snap = llm.engine.kv_snapshot()
+    int8_block, bf16_block = 2 * 2 * 16 * 2 * (16 + 4), 2 * 2 * 16 * 2 * 16 * 2
+    assert (snap.kv_cache_dtype, snap.bytes_per_block) == ("int8", int8_block)
+    assert (snap.other_kv_cache_dtype, snap.other_num_blocks) == ("bfloat16", 50 * int8_block // bf16_block)
+    assert snap.weights_format == "fp32" and snap.weights_bytes == llm.config.weights_bytes > 0
+    text = metrics.render(snap, metrics.Counters(), "tiny")
+    labels = {f.name: f for f in text_string_to_metric_families(text)}["vllm:cache_config_info"].samples[0].labels
+    assert labels["cache_dtype"] == "int8" and labels["kv_cache_memory_bytes"] == str(50 * int8_block)
+    plain = make_llm(tiny_model, num_kv_blocks=50).engine.kv_snapshot()  # fp32 by default: 8 bits would hold more
+    assert (plain.kv_cache_dtype, plain.other_kv_cache_dtype) == ("float32", "int8")
+    assert plain.other_num_blocks == 50 * plain.bytes_per_block // int8_block
+
+
+def test_an_8_bit_blocks_scales_are_those_its_rows_hold(tiny_model):
+    from pagedchat.kernels import kv_quant
+
+    llm = make_llm(tiny_model, kv_cache_dtype="fp8")
+    llm.generate([list(range(3, 30))], SamplingParams(max_tokens=4, **GREEDY))
+    block = next(b for b in llm.engine.kv_snapshot().blocks if b.num_tokens)
+    (k_low, k_high), (v_low, v_high) = llm.engine.block_scales(block.block_id, block.num_tokens)
+    rows = [cache[block.block_id, :block.num_tokens] for cache, _ in llm.engine.runner.kv_caches]
+    # each row's scale is its absmax over 448, read here from the dequantized values
+    absmax = torch.stack([kv_quant.dequantize(r, torch.float64).abs().amax(-1) for r in rows])
+    assert k_low == pytest.approx(absmax.min().item() / 448) and k_high == pytest.approx(absmax.max().item() / 448)
+    assert 0 < v_low <= v_high
+    assert make_llm(tiny_model).engine.block_scales(block.block_id, block.num_tokens) is None  # no scales at 32 bits
+
+
+@pytest.mark.parametrize("kv_cache_dtype, blocks", [("auto", 40), ("int8", 40 * 32 // 20)])
+def test_the_pressure_scene_gets_its_bytes_so_an_8_bit_cache_gets_more_blocks(tiny_model, monkeypatch, tmp_path,
+                                                                                kv_cache_dtype, blocks):
+    """40 bf16 blocks' bytes: the tiny model's rows are 16 values, 32 bytes in bf16 and 20 in int8."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    configs, real = [], cli.checked_config
+    monkeypatch.setattr(cli, "checked_config", lambda args: configs.append(real(args)) or configs[-1])
+    monkeypatch.setattr(cli, "run_app", lambda *args, **kwargs: 0)  # the config is all this needs
+    assert cli.main(["--model", str(tiny_model), "--device", "cpu", "--demo", "pressure", "--no-history",
+                     "--kv-cache-dtype", kv_cache_dtype]) == 0
+    assert configs[-1].engine.num_kv_blocks == blocks

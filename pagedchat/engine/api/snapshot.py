@@ -60,6 +60,12 @@ class KVSnapshot:
     # after events, with defaults, so that hand-made snapshots and an older server's still build
     kv_cache_dtype: str = ""  # "bfloat16", "float32", "int8", "fp8"; "" where not known
     bytes_per_block: int = 0  # all layers' K and V of one block, an 8-bit cache's scales included; 0: not known
+    # what the pool's bytes would hold in the other width: "int8" blocks for a 16/32-bit cache, "bfloat16"
+    # blocks for an 8-bit one
+    other_kv_cache_dtype: str = ""
+    other_num_blocks: int = 0
+    weights_format: str = ""  # e.g. "Q4_1 GGUF" (its matrices used where they lie, mapped) or "bf16"
+    weights_bytes: int = 0  # the weights in memory; 0: not known
 
 
 def snapshot_to_json(s: KVSnapshot) -> dict:

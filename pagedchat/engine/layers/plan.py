@@ -28,6 +28,14 @@ class KernelPlan:
     kv_cache: str | None = None  # the cache's dtype where it is not the model's, e.g. "int8"
 
     @property
+    def weights_format(self) -> str:
+        """The weights as the model holds them: a GGUF's main format where it runs in place ('Q4_1 GGUF'), else
+        its dtype ('bf16')."""
+        if self.weight_formats:
+            return f"{self.weight_formats[0]} GGUF"
+        return _DTYPE_NAMES.get(self.dtype, str(self.dtype))
+
+    @property
     def cpu_linear(self) -> CpuLinear | None:
         return self.linear if isinstance(self.linear, CpuLinear) else None
 

@@ -47,7 +47,7 @@ class ModelRunner:
         self.block_size = block_size
         self.attention_ops = attention_ops
         self.device = model.device
-        layout = KVLayout.of(model.config)
+        self.layout = layout = KVLayout.of(model.config)
         # one block past the pool's: the compiled step's warm-up and padding write and read there
         shape = (num_blocks + 1, block_size, layout.num_kv_heads, kv_quant.row_width(self.kv_cache_dtype, layout.head_dim))
         self.kv_caches = [
