@@ -160,3 +160,18 @@ def test_8_bit_attention_is_near_the_attention_of_the_unquantized_kv(fmt, bound)
     for name in ("key_cache", "value_cache"):
         batch[name] = kv_quant.quantize(batch[name].nan_to_num(0.0), FORMATS[fmt])
     assert relative_error(torch_ops.paged_attention(**batch), exact) <= bound
+
+
+@pytest.mark.skipif(not has_avx2, reason="cpu_attention.c needs AVX2")
+@pytest.mark.parametrize("heads, head_dim", [((12, 2), 64), ((5, 1), 72), ((7, 7), 40)])
+@pytest.mark.parametrize("cache", ["fp32", "int8"])
+def test_the_c_kernel_takes_any_group_in_chunks_and_any_head_dim_of_8s(heads, head_dim, cache):
+    """Groups of 6 (chunks of 4 and 2), 5 and 1 query heads a KV head; D of 72 and 40 (past the 16-lane loop)."""
+    batch = make_batch([(1, 1), (40, 1), (203, 1)], head_dim, 16, torch.float32, *heads, seed=head_dim)
+    if cache == "int8":
+        for name in ("key_cache", "value_cache"):
+            batch[name] = kv_quant.quantize(batch[name].nan_to_num(0.0), torch.int8)
+    assert cpu_attention.takes(batch["query"], batch["key_cache"], batch["value_cache"])
+    reference = batch | {name: reference_dequantize(batch[name]) if cache == "int8" else batch[name]
+                         for name in ("key_cache", "value_cache")}
+    assert relative_error(torch_ops.paged_attention(**batch), reference_attention(**reference)) <= 1e-5
