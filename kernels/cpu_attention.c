@@ -13,8 +13,7 @@
 #include "avx2.h"
 
 /* The keys and values of a step's sequences are scattered over the pool, mostly beyond the caches: a row is
- * prefetched AHEAD rows before it is read (the first head of a group reads it from memory, the others from
- * the cache) */
+ * prefetched AHEAD rows before it is read */
 #define AHEAD 8
 #define GROUP_CHUNK 4  /* query heads that share each load of a key or value (a KV head's group, in chunks) */
 
