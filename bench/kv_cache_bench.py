@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    # sized for ~10-15 minutes on 2 shared cores, most of it the 16 chats' prefill
     sizes = {"prompts": 32, "new": 128, "ppl": 1024, "long": 4000, "long_new": 64, "chats": 16, "chat_len": 1000,
              "chat_new": 32, "pressure_new": 320}
     if args.quick:
@@ -167,6 +168,17 @@ def main(argv: list[str] | None = None) -> None:
     began = time.perf_counter()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(header({"torch threads": args.threads, "sizes": sizes}))
+    section = Section(f"An 8-bit KV cache against the bf16 one, default model (issue 33; `python -m "
+                      f"bench.kv_cache_bench`, {started})",
+                      header({"torch threads": args.threads}).split("\n", 2)[2].strip().removeprefix("- ").split("\n- "))
+
+    def report(table: Table) -> None:
+        """Print a table and put the section so far into RESULTS.md: a run cut short leaves what it measured."""
+        print(table.markdown(), flush=True)
+        section.tables.append(table)
+        section.seconds = time.perf_counter() - began
+        if not args.quick:
+            write_into_results(section.markdown(), marks=MARKS)
 
     llms = {dtype: LLM(kv_cache_dtype=dtype, kv_cache_memory="256MiB", compile=False, num_threads=args.threads)
             for dtype in ("auto",) + DTYPES}
@@ -176,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
                      llms[d].config.engine.num_kv_blocks / llms[REFERENCE].config.engine.num_kv_blocks]
                     for d in llms], "Blocks for the same --kv-memory (the default model: 30 layers, 3 KV heads of 64)")
     del llms["auto"]
-    print(blocks.markdown(), flush=True)
+    report(blocks)
 
     readme_ids = tokenizer.encode((HERE.parent / "README.md").read_text())
     text_ids = readme_ids[: sizes["ppl"]]
@@ -193,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                              agreement(llama["q8_0"], llama["f16"])])
     else:
         quality.rows.append(["llama.cpp q8_0", next(v for v in llama.values() if isinstance(v, str)), "", ""])
-    print(quality.markdown(), flush=True)
+    report(quality)
 
     speed_rows = []
     for dtype in (REFERENCE, "int8"):
@@ -208,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     speed = Table(["cache", f"1 chat at {sizes['long']} tok/s", f"{sizes['chats']} chats at {sizes['chat_len']} tok/s",
                    "1 chat x bf16", f"{sizes['chats']} chats x bf16"], speed_rows,
                   f"Decode speed (prefill not timed), {args.threads} threads")
-    print(speed.markdown(), flush=True)
+    report(speed)
 
     bf16_block = llms[REFERENCE].config.bytes_per_block
     del llms
@@ -216,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
                      [[d, *pressure_preemptions(bf16_block, d, sizes["pressure_new"])] for d in (REFERENCE, "int8")],
                      f"The pressure scene's six chats x {sizes['pressure_new']} greedy tokens in the bytes of "
                      f"{SCENES['pressure'].num_blocks} bf16 blocks")
-    print(pressure.markdown(), flush=True)
+    report(pressure)
 
     int8 = {row[0]: row for row in quality.rows}["int8"]
     llama_row = quality.rows[-1]
@@ -230,11 +242,8 @@ def main(argv: list[str] | None = None) -> None:
         ["pressure scene preemptions, bf16 -> int8", f"{pressure.rows[0][2]} -> {pressure.rows[1][2]}", "fewer",
          pressure.rows[1][2] < pressure.rows[0][2]],
     ], "Goals (issue 33)")
-    print(goals.markdown(), flush=True)
-    section = Section(f"An 8-bit KV cache against the bf16 one, default model (issue 33; `python -m "
-                      f"bench.kv_cache_bench`, {started})",
-                      header({"torch threads": args.threads}).split("\n", 2)[2].strip().removeprefix("- ").split("\n- "),
-                      [goals, blocks, quality, speed, pressure], seconds=time.perf_counter() - began)
+    report(goals)
+    section.tables.insert(0, section.tables.pop())  # the goals first
     if not args.quick:
         write_into_results(section.markdown(), marks=MARKS)
 
