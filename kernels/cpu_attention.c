@@ -1,8 +1,11 @@
 /* Decode attention over a paged KV cache, read in place: for each sequence one query row of Hq heads, over
  * the first seq_lens[s] slots its block table names; softmax and sums in fp32, the output rounded once to
- * the cache's dtype (bf16, fp16 or fp32, as are the queries). Each (sequence, KV head) is one task for the
- * OpenMP threads (torch's own libgomp, as many as the caller says): its group of query heads reads each of
- * its keys and values once. D must be a multiple of 8.
+ * the queries' dtype (`kind`: bf16, fp16 or fp32). The cache is of `cache_kind`: one of those, or an 8-bit
+ * cache (kernels/kv_quant.py: each slot's head a row of D int8 or fp8 e4m3 values and its fp32 scale), whose
+ * scales are taken once per key: a key's after its dot with the query, a value's into its softmax weight.
+ * Each (sequence, KV head) is one task for the OpenMP threads (torch's own libgomp, as many as the caller
+ * says): its group of query heads, up to 4 at a time, shares each load (and widening) of a key and a value.
+ * D must be a multiple of 8.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -10,37 +13,97 @@
 #include "avx2.h"
 
 /* The keys and values of a step's sequences are scattered over the pool, mostly beyond the caches: a row is
- * prefetched AHEAD rows before it is read (the first head of a group reads it from memory, the others from
- * the cache) */
+ * prefetched AHEAD rows before it is read */
 #define AHEAD 8
+#define GROUP_CHUNK 4  /* query heads that share each load of a key or value (a KV head's group, in chunks) */
+
+enum { KIND_INT8 = 3, KIND_FP8 = 4 };  /* past avx2.h's kinds: the 8-bit caches */
+#define SCALE_BYTES 4
+
+/* 8 e4m3 values as fp32: a normal one's exponent rebased by adding (127 - 7) to its field, a subnormal one
+ * (exponent field 0) as its mantissa times 2^-9; neither makes an fp32 denormal */
+static inline __m256 fp8x8(const uint8_t *p) {
+    __m256i bits = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7f));
+    __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(magnitude, 20), _mm256_set1_epi32(120 << 23)));
+    __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(1.0f / 512));
+    __m256 tiny = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), magnitude));
+    __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x80)), 24));
+    return _mm256_or_ps(_mm256_blendv_ps(normal, subnormal, tiny), sign);
+}
+
+/* 8 values of a cache row at element i: an 8-bit cache's unscaled */
+static inline __m256 cache8(const void *cache, int64_t i, int kind) {
+    if (kind == KIND_INT8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)cache + i))));
+    if (kind == KIND_FP8) return fp8x8((const uint8_t *)cache + i);
+    return load8(cache, i, kind);
+}
+
+static inline float row_scale(const void *cache, int64_t row, int64_t head_dim) {
+    float scale;
+    memcpy(&scale, (const uint8_t *)cache + row + head_dim, sizeof scale);
+    return scale;
+}
+
+/* |x| <= 448 as e4m3 bits, to nearest even (as torch converts) */
+static uint8_t to_fp8(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    const uint8_t sign = (u >> 24) & 0x80;
+    u &= 0x7fffffff;
+    float a;
+    memcpy(&a, &u, 4);
+    if (a < 0.015625f) return sign | (uint8_t)nearbyintf(a * 512.0f);  /* subnormal: 8 rounds up to 2^-6 */
+    u += 0x7ffff + ((u >> 20) & 1);  /* keep 3 mantissa bits */
+    return sign | (uint8_t)((((u >> 23) - 120) << 3) | ((u >> 20) & 7));
+}
+
+/* One row of D values (of `kind`) into the cache's row at `to` (elements of `cache_kind`): converted, or
+ * quantized with its scale as kv_quant.quantize does */
+static void store_row(void *cache, int64_t to, int cache_kind, const void *row, int64_t from, int kind,
+                      int64_t head_dim) {
+    if (cache_kind < KIND_INT8) {
+        if (cache_kind == kind) {
+            const int64_t size = kind == KIND_FP32 ? 4 : 2;
+            memcpy((char *)cache + to * size, (const char *)row + from * size, head_dim * size);
+        } else {
+            for (int64_t d = 0; d < head_dim; d++) store(cache, to + d, widen(row, from + d, kind), cache_kind);
+        }
+        return;
+    }
+    const float qmax = cache_kind == KIND_INT8 ? 127.0f : 448.0f;
+    float top = 0.0f;
+    for (int64_t d = 0; d < head_dim; d++) top = fmaxf(top, fabsf(widen(row, from + d, kind)));
+    const float scale = top > 0.0f ? top / qmax : 1.0f;
+    uint8_t *bytes = (uint8_t *)cache + to;
+    for (int64_t d = 0; d < head_dim; d++) {
+        float q = fminf(fmaxf(widen(row, from + d, kind) / scale, -qmax), qmax);
+        bytes[d] = cache_kind == KIND_INT8 ? (uint8_t)(int8_t)nearbyintf(q) : to_fp8(q);
+    }
+    memcpy(bytes + head_dim, &scale, sizeof scale);
+}
 
 static inline void prefetch_row(const void *cache, int64_t at, int kind, int64_t head_dim) {
-    const int64_t size = kind == KIND_FP32 ? 4 : 2;
+    const int64_t size = kind == KIND_FP32 ? 4 : kind >= KIND_INT8 ? 1 : 2;
     for (int64_t b = 0; b < head_dim * size; b += 64) _mm_prefetch((const char *)cache + at * size + b, _MM_HINT_T0);
 }
 
-/* scores[l] = q . key l, for the keys at offsets `at` of the cache, 4 keys at a time (4 sums in flight) */
-static void head_scores(const float *q, const void *cache, int kind, const int64_t *at, int64_t len,
-                        int64_t head_dim, float *scores) {
-    int64_t l = 0;
-    for (; l + 4 <= len; l += 4) {
-        for (int64_t ahead = l + AHEAD; ahead < l + AHEAD + 4 && ahead < len; ahead++)
-            prefetch_row(cache, at[ahead], kind, head_dim);
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+/* scores[g][l] = q[g] . key l for the chunk's n query heads (rows of D in q), for the keys at offsets `at` of
+ * the cache: each key is loaded (and widened) once for all n heads, which share it. n is a constant where this
+ * is inlined, so the sums stay in registers. */
+static inline __attribute__((always_inline)) void chunk_scores(const float *q, const void *cache, int kind,
+                                                               const int64_t *at, int64_t len, int64_t head_dim,
+                                                               const int n, float *scores) {
+    for (int64_t l = 0; l < len; l++) {
+        if (l + AHEAD < len) prefetch_row(cache, at[l + AHEAD], kind, head_dim);
+        __m256 acc[GROUP_CHUNK];
+        for (int g = 0; g < n; g++) acc[g] = _mm256_setzero_ps();
         for (int64_t d = 0; d < head_dim; d += 8) {
-            __m256 qv = _mm256_loadu_ps(q + d);
-            a0 = _mm256_fmadd_ps(load8(cache, at[l] + d, kind), qv, a0);
-            a1 = _mm256_fmadd_ps(load8(cache, at[l + 1] + d, kind), qv, a1);
-            a2 = _mm256_fmadd_ps(load8(cache, at[l + 2] + d, kind), qv, a2);
-            a3 = _mm256_fmadd_ps(load8(cache, at[l + 3] + d, kind), qv, a3);
+            const __m256 key = cache8(cache, at[l] + d, kind);
+            for (int g = 0; g < n; g++) acc[g] = _mm256_fmadd_ps(key, _mm256_loadu_ps(q + g * head_dim + d), acc[g]);
         }
-        _mm_storeu_ps(scores + l, sum8x4(a0, a1, a2, a3));
-    }
-    for (; l < len; l++) {
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t d = 0; d < head_dim; d += 8)
-            a = _mm256_fmadd_ps(load8(cache, at[l] + d, kind), _mm256_loadu_ps(q + d), a);
-        scores[l] = sum8(a);
+        for (int g = 0; g < n; g++) scores[g * len + l] = sum8(acc[g]);
     }
 }
 
@@ -59,33 +122,43 @@ static float exponentiate(float *scores, int64_t len) {
     return total + sum8(sums);
 }
 
-/* o[d] = sum over l of p[l] * value l [d], 4 vectors of d (or 1 at the end) over 2 values at a time */
-static void head_values(const float *p, const void *cache, int kind, const int64_t *at, int64_t len,
-                        int64_t head_dim, float *o) {
+/* o[g][d] = sum over l of p[g][l] * value l [d] for the chunk's n heads, 16 (then 8) lanes of d at a time:
+ * each value loaded (and widened) once for all n heads */
+static inline __attribute__((always_inline)) void chunk_values(const float *p, const void *cache, int kind,
+                                                               const int64_t *at, int64_t len, int64_t head_dim,
+                                                               const int n, float *o) {
     int64_t d = 0;
-    for (; d + 32 <= head_dim; d += 32) {
-        __m256 a[4], b[4];
-        for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
-        int64_t l = 0;
-        for (; l + 2 <= len; l += 2) {
-            for (int64_t ahead = l + AHEAD; d == 0 && ahead < l + AHEAD + 2 && ahead < len; ahead++)
-                prefetch_row(cache, at[ahead], kind, head_dim);
-            __m256 p0 = _mm256_set1_ps(p[l]), p1 = _mm256_set1_ps(p[l + 1]);
-            for (int i = 0; i < 4; i++) {
-                a[i] = _mm256_fmadd_ps(p0, load8(cache, at[l] + d + 8 * i, kind), a[i]);
-                b[i] = _mm256_fmadd_ps(p1, load8(cache, at[l + 1] + d + 8 * i, kind), b[i]);
+    for (; d + 16 <= head_dim; d += 16) {
+        __m256 a[GROUP_CHUNK], b[GROUP_CHUNK];
+        for (int g = 0; g < n; g++) a[g] = b[g] = _mm256_setzero_ps();
+        for (int64_t l = 0; l < len; l++) {
+            if (d == 0 && l + AHEAD < len) prefetch_row(cache, at[l + AHEAD], kind, head_dim);
+            const __m256 v0 = cache8(cache, at[l] + d, kind), v1 = cache8(cache, at[l] + d + 8, kind);
+            for (int g = 0; g < n; g++) {
+                const __m256 weight = _mm256_set1_ps(p[g * len + l]);
+                a[g] = _mm256_fmadd_ps(weight, v0, a[g]);
+                b[g] = _mm256_fmadd_ps(weight, v1, b[g]);
             }
         }
-        if (l < len)
-            for (int i = 0; i < 4; i++) a[i] = _mm256_fmadd_ps(_mm256_set1_ps(p[l]), load8(cache, at[l] + d + 8 * i, kind), a[i]);
-        for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + d + 8 * i, _mm256_add_ps(a[i], b[i]));
+        for (int g = 0; g < n; g++) {
+            _mm256_storeu_ps(o + g * head_dim + d, a[g]);
+            _mm256_storeu_ps(o + g * head_dim + d + 8, b[g]);
+        }
     }
     for (; d < head_dim; d += 8) {
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t l = 0; l < len; l++) a = _mm256_fmadd_ps(_mm256_set1_ps(p[l]), load8(cache, at[l] + d, kind), a);
-        _mm256_storeu_ps(o + d, a);
+        __m256 a[GROUP_CHUNK];
+        for (int g = 0; g < n; g++) a[g] = _mm256_setzero_ps();
+        for (int64_t l = 0; l < len; l++) {
+            const __m256 v = cache8(cache, at[l] + d, kind);
+            for (int g = 0; g < n; g++) a[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * len + l]), v, a[g]);
+        }
+        for (int g = 0; g < n; g++) _mm256_storeu_ps(o + g * head_dim + d, a[g]);
     }
 }
+
+/* chunk_scores and chunk_values for n = 1..GROUP_CHUNK, each inlined with its n */
+#define CHUNK_CASES(call) \
+    switch (n) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; default: call(4); }
 
 /* query [S] rows at query + rows[s] * q_stride (Hq heads of D); out likewise at out + rows[s] * out_stride;
  * caches [blocks, block_size, Hkv, D]; block_tables [S, table_width]. Where `key`, each task first stores
@@ -95,24 +168,27 @@ static void head_values(const float *p, const void *cache, int kind, const int64
 int pagedchat_decode_attention(const void *query, int64_t q_stride, const int64_t *rows, const void *key_cache,
                                 const void *value_cache, const int32_t *block_tables, int64_t table_width,
                                 const int32_t *seq_lens, int64_t num_seqs, int64_t num_q_heads,
-                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int kind, float scale,
-                                void *out, int64_t out_stride, const void *key, int64_t key_stride,
-                                const void *value, int64_t value_stride, const int64_t *slots, int threads) {
-    const int64_t group = num_q_heads / num_kv_heads, size = kind == KIND_FP32 ? 4 : 2;
+                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int kind,
+                                int cache_kind, float scale, void *out, int64_t out_stride, const void *key,
+                                int64_t key_stride, const void *value, int64_t value_stride, const int64_t *slots,
+                                int threads) {
+    const int64_t group = num_q_heads / num_kv_heads;
+    const int quantized = cache_kind >= KIND_INT8;
+    const int64_t row = quantized ? head_dim + SCALE_BYTES : head_dim;  /* a cache row's elements */
     int failed = 0;
     #pragma omp parallel for num_threads(threads) schedule(dynamic)
     for (int64_t task = 0; task < num_seqs * num_kv_heads; task++) {
         const int64_t s = task / num_kv_heads, h = task % num_kv_heads, len = seq_lens[s];
         const int32_t *table = block_tables + s * table_width;
         if (key) {
-            const int64_t to = (slots[rows[s]] * num_kv_heads + h) * head_dim * size;
-            memcpy((char *)key_cache + to, (const char *)key + (rows[s] * key_stride + h * head_dim) * size,
-                   head_dim * size);
-            memcpy((char *)value_cache + to, (const char *)value + (rows[s] * value_stride + h * head_dim) * size,
-                   head_dim * size);
+            const int64_t to = (slots[rows[s]] * num_kv_heads + h) * row;
+            store_row((void *)key_cache, to, cache_kind, key, rows[s] * key_stride + h * head_dim, kind, head_dim);
+            store_row((void *)value_cache, to, cache_kind, value, rows[s] * value_stride + h * head_dim, kind,
+                      head_dim);
         }
         int64_t *at = malloc(sizeof(int64_t) * len);
-        float *q = malloc(sizeof(float) * (2 * head_dim + len));
+        /* the chunk's queries and outputs, its scores, and an 8-bit cache's key and value scales */
+        float *q = malloc(sizeof(float) * (2 * GROUP_CHUNK * head_dim + (GROUP_CHUNK + 2) * len));
         if (!at || !q) {  /* the other tasks still run: an error is reported once all have */
             free(at);
             free(q);
@@ -120,20 +196,43 @@ int pagedchat_decode_attention(const void *query, int64_t q_stride, const int64_
             failed = 1;
             continue;
         }
-        float *o = q + head_dim, *scores = o + head_dim;
+        float *o = q + GROUP_CHUNK * head_dim, *scores = o + GROUP_CHUNK * head_dim;
+        float *key_scales = scores + GROUP_CHUNK * len, *value_scales = key_scales + len;
         for (int64_t b = 0, l = 0; l < len; b++)  /* block by block: a division a key costs as much as its dot */
             for (int64_t i = 0; i < block_size && l < len; i++, l++)
-                at[l] = (((int64_t)table[b] * block_size + i) * num_kv_heads + h) * head_dim;
-        for (int64_t g = 0; g < group; g++) {
-            const int64_t head = rows[s] * q_stride + (h * group + g) * head_dim;
-            for (int64_t d = 0; d < head_dim; d += 8)
-                _mm256_storeu_ps(q + d, _mm256_mul_ps(_mm256_set1_ps(scale), load8(query, head + d, kind)));
-            head_scores(q, key_cache, kind, at, len, head_dim, scores);
-            float total = exponentiate(scores, len);
-            head_values(scores, value_cache, kind, at, len, head_dim, o);
-            const int64_t to = rows[s] * out_stride + (h * group + g) * head_dim;
-            for (int64_t d = 0; d < head_dim; d += 8)
-                store8(out, to + d, _mm256_div_ps(_mm256_loadu_ps(o + d), _mm256_set1_ps(total)), kind);
+                at[l] = (((int64_t)table[b] * block_size + i) * num_kv_heads + h) * row;
+        if (quantized)
+            for (int64_t l = 0; l < len; l++) {
+                key_scales[l] = row_scale(key_cache, at[l], head_dim);
+                value_scales[l] = row_scale(value_cache, at[l], head_dim);
+            }
+        for (int64_t first = 0; first < group; first += GROUP_CHUNK) {
+            const int n = group - first < GROUP_CHUNK ? (int)(group - first) : GROUP_CHUNK;
+            for (int g = 0; g < n; g++) {
+                const int64_t head = rows[s] * q_stride + (h * group + first + g) * head_dim;
+                for (int64_t d = 0; d < head_dim; d += 8)
+                    _mm256_storeu_ps(q + g * head_dim + d,
+                                     _mm256_mul_ps(_mm256_set1_ps(scale), load8(query, head + d, kind)));
+            }
+#define SCORES(N) chunk_scores(q, key_cache, cache_kind, at, len, head_dim, N, scores)
+            CHUNK_CASES(SCORES)
+            float total[GROUP_CHUNK];
+            for (int g = 0; g < n; g++) {
+                float *p = scores + g * len;
+                if (quantized)  /* a key's scale after its dot; a value's into its weight, after the sum */
+                    for (int64_t l = 0; l < len; l++) p[l] *= key_scales[l];
+                total[g] = exponentiate(p, len);
+                if (quantized)
+                    for (int64_t l = 0; l < len; l++) p[l] *= value_scales[l];
+            }
+#define VALUES(N) chunk_values(scores, value_cache, cache_kind, at, len, head_dim, N, o)
+            CHUNK_CASES(VALUES)
+            for (int g = 0; g < n; g++) {
+                const int64_t to = rows[s] * out_stride + (h * group + first + g) * head_dim;
+                for (int64_t d = 0; d < head_dim; d += 8)
+                    store8(out, to + d, _mm256_div_ps(_mm256_loadu_ps(o + g * head_dim + d),
+                                                      _mm256_set1_ps(total[g])), kind);
+            }
         }
         free(at);
         free(q);

@@ -1,12 +1,16 @@
-"""Decode attention over the paged cache by kernels/cpu_attention.c (AVX2; fp32, bf16 and fp16) and
-kernels/cpu_attention_bf16.c (a bf16 cache on a CPU with avx512_bf16, the same call), built and loaded by
-`native`: every sequence with one query attended in one call, its K/V read in place through its block table."""
+"""Decode attention over the paged cache by kernels/cpu_attention.c (AVX2; fp32, bf16 and fp16 queries over a
+cache of those or an 8-bit one, kv_quant.py's format) and kernels/cpu_attention_bf16.c (bf16 queries over a bf16
+cache on a CPU with avx512_bf16, the same call), built and loaded by `native`: every sequence with one query
+attended in one call, its K/V read in place through its block table."""
 
 import functools
 
 import torch
 
-from . import native
+from . import kv_quant, native
+
+# the `cache_kind` of cpu_attention.c: avx2.h's kinds, then the 8-bit caches
+CACHE_KINDS = native.KINDS | {torch.int8: 3, torch.uint8: 4}
 
 
 @functools.cache
@@ -19,18 +23,21 @@ def kernel_bf16() -> native.Kernel | None:
     return native.function("cpu_attention_bf16.c", "pagedchat_decode_attention_bf16", isa="avx512_bf16")
 
 
-def name(dtype: torch.dtype) -> str | None:
-    """The C file that attends a cache of this dtype on this CPU, or None where neither is built."""
-    if dtype == torch.bfloat16 and kernel_bf16() is not None:
+def name(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> str | None:
+    """The C file that attends queries of this dtype over a cache of `cache_dtype` (theirs where None) on this
+    CPU, or None where neither is built."""
+    cache_dtype = cache_dtype or dtype
+    if dtype == cache_dtype == torch.bfloat16 and kernel_bf16() is not None:
         return "cpu_attention_bf16"
-    return "cpu_attention" if kernel() is not None and dtype in native.KINDS else None
+    return "cpu_attention" if kernel() is not None and dtype in native.KINDS and cache_dtype in CACHE_KINDS else None
 
 
 def takes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether the kernels take these: built, on the CPU, one dtype they know, heads of D contiguous."""
+    """Whether the kernels take these: built, on the CPU, dtypes they know, heads of D contiguous."""
     head_dim = query.shape[2]
     return (kernel() is not None and query.device.type == "cpu" and query.dtype in native.KINDS
-            and query.dtype == key_cache.dtype == value_cache.dtype and query.stride()[1:] == (head_dim, 1)
+            and key_cache.dtype == value_cache.dtype and key_cache.dtype in CACHE_KINDS
+            and kv_quant.head_dim(key_cache) == head_dim and query.stride()[1:] == (head_dim, 1)
             and head_dim % 8 == 0 and key_cache.is_contiguous() and value_cache.is_contiguous())
 
 
@@ -38,15 +45,17 @@ def decode(query: torch.Tensor, rows: torch.Tensor, key_cache: torch.Tensor, val
            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
            new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """out[rows] = attention of query[rows] (one query each) over their sequences' cached K/V; `new`: the
-    step's (key, value, slot_mapping), stored into the cache by the same call. The caller checks `takes`."""
+    step's (key, value, slot_mapping, of the queries' dtype), stored into the cache by the same call, in its
+    format. The caller checks `takes`."""
     num_q_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
     key, value, slots = (None, None, None) if new is None else new
-    bf16 = query.dtype == torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 256
+    bf16 = query.dtype == key_cache.dtype == torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 256
     attend = (kernel_bf16() if bf16 else None) or kernel()
     attend(query.data_ptr(), query.stride(0), rows.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
            block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), len(rows), num_q_heads,
-           num_kv_heads, head_dim, block_size, native.KINDS[query.dtype], scale, out.data_ptr(), out.stride(0),
+           num_kv_heads, head_dim, block_size, native.KINDS[query.dtype], CACHE_KINDS[key_cache.dtype], scale,
+           out.data_ptr(), out.stride(0),
            *_rows(key), *_rows(value), native.pointer(slots), torch.get_num_threads())
 
 

@@ -91,10 +91,11 @@ int pagedchat_decode_attention_bf16(const uint16_t *query, int64_t q_stride, con
                                      const uint16_t *key_cache, const uint16_t *value_cache,
                                      const int32_t *block_tables, int64_t table_width, const int32_t *seq_lens,
                                      int64_t num_seqs, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
-                                     int64_t block_size, int kind, float scale, uint16_t *out, int64_t out_stride,
+                                     int64_t block_size, int kind, int cache_kind, float scale, uint16_t *out,
+                                     int64_t out_stride,
                                      const uint16_t *key, int64_t key_stride, const uint16_t *value,
                                      int64_t value_stride, const int64_t *slots, int threads) {
-    (void)kind;  /* bf16: the caller checks */
+    (void)kind, (void)cache_kind;  /* bf16 queries and cache: the caller checks */
     const int64_t group = num_q_heads / num_kv_heads, vectors = head_dim / 16;
     int failed = 0;
     #pragma omp parallel for num_threads(threads) schedule(dynamic)

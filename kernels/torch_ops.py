@@ -5,7 +5,9 @@ Same signatures as `triton_ops`. A step is planned once, from the host-side list
 whatever its size, so the plan keeps the calls per layer few:
 
 - a whole prompt (queries = the whole context) attends to its own new K/V with SDPA's causal kernel,
-  which skips the masked half of the work; nothing is read back from the cache;
+  which skips the masked half of the work; nothing is read back from the cache (the K/V are taken as the
+  cache holds them, though: rounded to its dtype, or quantized and back in an 8-bit cache, so that a prompt
+  sees what a later step reading the cache sees);
 - a lone sequence over a cached context (one chat decoding, or one prompt chunk) reads its K/V as a
   view of the cache when its blocks are consecutive (else one gather of its blocks), cut to its
   length, so no mask and no padding are needed;
@@ -19,6 +21,10 @@ whatever its size, so the plan keeps the calls per layer few:
 Over the cache, each KV head's group of query heads is folded into the query-length dimension, so K/V
 are read once per KV head (SDPA's `enable_gqa` and `repeat_interleave` of K/V are both several times
 slower on the CPU in bf16). SDPA keeps the softmax in fp32 for half-precision inputs.
+
+The cache's dtype may differ from the queries' (an fp32 model over a bf16 cache, or an 8-bit cache: see
+kv_quant.py): K/V are stored in the cache's format and read back as the queries' dtype, by cpu_attention.c
+in place, or here by `kv_quant.dequantize` after a gather.
 """
 
 from dataclasses import dataclass
@@ -27,25 +33,21 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from . import cpu_attention
+from . import cpu_attention, kv_quant
 from .metadata import AttentionMetadata
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
              value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write token t's key/value [Hkv, D] into cache slot slot_mapping[t]; negative slots are skipped."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    # view (not reshape): a cache that cannot be viewed flat must fail, not be written as a copy
-    key_cache.view(-1, *key_cache.shape[2:])[slots] = key[keep].to(key_cache.dtype)
-    value_cache.view(-1, *value_cache.shape[2:])[slots] = value[keep].to(value_cache.dtype)
+    kv_quant.store(key, value, key_cache, value_cache, slot_mapping)
 
 
 def _store_every_slot(key, value, key_cache, value_cache, slot_mapping) -> None:
     """`store_kv` for the engine's steps, where every token has its slot: one copy per cache, no mask."""
     flat = (-1, *key_cache.shape[2:])
-    key_cache.view(flat).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(flat).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    key_cache.view(flat).index_copy_(0, slot_mapping, kv_quant.quantize(key, key_cache.dtype))
+    value_cache.view(flat).index_copy_(0, slot_mapping, kv_quant.quantize(value, value_cache.dtype))
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -58,7 +60,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_c
                                    in_place_decode=cpu_attention.takes(query, key_cache, value_cache))
     out = query.new_empty(query.shape)
     plan = metadata.plan
-    if len(plan) == 1 and isinstance(plan[0], _Decode) and _rows_of_heads(key, value, key_cache):
+    if len(plan) == 1 and isinstance(plan[0], _Decode) and _rows_of_heads(query, key, value):
         # a step of decodes only: cpu_attention.c stores the new K/V too, in the same pass
         part = plan[0]
         cpu_attention.decode(query, part.rows, key_cache, value_cache, part.block_tables, part.seq_lens, scale, out,
@@ -69,9 +71,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_c
     return out
 
 
-def _rows_of_heads(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor) -> bool:
-    head_dim = cache.shape[-1]
-    return key.dtype == value.dtype == cache.dtype and key.stride()[1:] == value.stride()[1:] == (head_dim, 1)
+def _rows_of_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    head_dim = key.shape[-1]
+    return key.dtype == value.dtype == query.dtype and key.stride()[1:] == value.stride()[1:] == (head_dim, 1)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -215,7 +217,7 @@ def _plan_batch(seqs: list[int], block_tables, seq_lens, query_lens, starts, blo
 def _run(plan: list, query, key, value, key_cache, value_cache, scale, out) -> None:
     for part in plan:
         if isinstance(part, _Prompt):
-            _attend_prompt(part, query, key, value, scale, out)
+            _attend_prompt(part, query, _as_cached(key, key_cache), _as_cached(value, value_cache), scale, out)
         elif isinstance(part, _Lone):
             _attend_lone(part, query, key_cache, value_cache, scale, out)
         elif isinstance(part, _Decode):
@@ -234,14 +236,20 @@ def _attend_prompt(part: _Prompt, query, key, value, scale, out) -> None:
     out[part.start:part.end] = o.transpose(0, 1)
 
 
+def _as_cached(new: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """New K/V [T, Hkv, D] as a reader of `cache` will see them (themselves where the cache has their dtype)."""
+    return kv_quant.dequantize(kv_quant.quantize(new, cache.dtype), new.dtype)
+
+
 def _attend_lone(part: _Lone, query, key_cache, value_cache, scale, out) -> None:
-    num_kv_heads, head_dim = key_cache.shape[2:]
+    num_kv_heads, head_dim = key_cache.shape[2], query.shape[2]
     q_len = part.end - part.start
     group_size = query.shape[1] // num_kv_heads
 
     def context(cache):
         blocks = cache[part.blocks] if isinstance(part.blocks, slice) else cache.index_select(0, part.blocks)
-        return blocks.flatten(0, 1)[: part.seq_len].transpose(0, 1)[None]  # [1, Hkv, L, D]
+        rows = kv_quant.dequantize(blocks.flatten(0, 1)[: part.seq_len], query.dtype)
+        return rows.transpose(0, 1)[None]  # [1, Hkv, L, D]
 
     # fold: [q_len, Hkv, G, D] -> [1, Hkv, q_len * G, D], rows ordered (query, head in group)
     q = query[part.start:part.end].view(q_len, num_kv_heads, group_size, head_dim).transpose(0, 1)
@@ -259,8 +267,8 @@ def _attend_batch(plan: _Batch, query, key_cache, value_cache, scale, out) -> No
     s, max_q = plan.num_seqs, plan.max_q
 
     q = query.index_select(0, plan.rows).view(s, max_q, num_q_heads, head_dim)
-    key = _gather(key_cache, plan)
-    value = _gather(value_cache, plan)
+    key = _gather(key_cache, plan, query.dtype)
+    value = _gather(value_cache, plan, query.dtype)
 
     if plan.mask is None:  # queries are the whole context: row j is position j
         key = _repeat_heads(key, group_size).transpose(1, 2)
@@ -283,11 +291,12 @@ def _attend_batch(plan: _Batch, query, key_cache, value_cache, scale, out) -> No
         out.index_copy_(0, plan.rows[plan.real_rows], o[plan.real_rows].to(out.dtype))
 
 
-def _gather(cache: torch.Tensor, plan: _Batch) -> torch.Tensor:
-    """[S, max_len, Hkv, D]: each sequence's context in order, zeros past its length."""
+def _gather(cache: torch.Tensor, plan: _Batch, dtype: torch.dtype) -> torch.Tensor:
+    """[S, max_len, Hkv, D] in `dtype`: each sequence's context in order, zeros past its length."""
     slots = cache.index_select(0, plan.blocks).flatten(0, 1)
-    slots.index_fill_(0, plan.past_end, 0)
-    return slots.view(plan.num_seqs, plan.max_len, *cache.shape[2:])
+    slots.index_fill_(0, plan.past_end, 0)  # in an 8-bit cache, zero bytes and a zero scale: zeros too
+    slots = kv_quant.dequantize(slots, dtype)
+    return slots.view(plan.num_seqs, plan.max_len, *slots.shape[1:])
 
 
 def _repeat_heads(x: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -300,7 +309,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      value_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """A decode batch (one query per sequence): store its K/V, then attend, in plain ops that
-    `torch.compile` fuses into a few loops (eager, `attention` is faster).
+    `torch.compile` fuses into a few loops (eager, `attention` is faster). A cache of the queries' dtype only.
 
     query [S, Hq, D], key/value [S, Hkv, D]; every entry of block_tables [S, NB] must be a block of the
     cache (pad with any block): the whole table is read and masked past each sequence's length.

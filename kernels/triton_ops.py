@@ -12,6 +12,10 @@ prefix and decode in a single launch for a mixed batch:
 - the split-KV path (flash-decoding) cuts each program's key range into NUM_SPLITS parts written
   as fp32 partial results, which a second kernel merges by their log-sum-exp.
 
+An 8-bit cache (kv_quant.py's rows: D int8 or fp8 e4m3 values, then their fp32 scale) is read in place:
+its values converted to fp32 in the tile, a key's scale applied to its column of scores and a value's to
+its softmax weight. Its new K/V are quantized by kv_quant.store (torch ops) as they are stored.
+
 Dots: fp32 ones ask for IEEE precision (a GPU would default to TF32, ~1e-3 off); fp16 and bf16
 ones run natively with fp32 accumulation, except bf16 under the interpreter, where tl.dot on bf16
 is wrong and the tiles are converted to fp32 first.
@@ -24,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import kv_quant
 from .metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
@@ -62,6 +67,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    if kv_quant.is_quantized(key_cache):
+        kv_quant.store(key, value, key_cache, value_cache, slot_mapping)
+        return
     _check_caches(key_cache, value_cache)
     assert key.stride(2) == 1 and value.stride(2) == 1, "head_dim must be contiguous"
     block_hd = triton.next_power_of_2(num_kv_heads * head_dim)
@@ -90,6 +98,31 @@ def _find_sequence(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr)
 
 
 @triton.jit
+def _cache_tile(ptrs, mask, QUANT: tl.constexpr):
+    """A tile of cache values: as stored, or an 8-bit cache's (QUANT 1: int8, 2: fp8 e4m3) as unscaled fp32."""
+    if QUANT == 0:
+        return tl.load(ptrs, mask=mask, other=0.0)
+    raw = tl.load(ptrs, mask=mask, other=0)
+    if QUANT == 1:
+        return raw.to(tl.float32)
+    bits = raw.to(tl.int32) & 0xFF
+    magnitude = bits & 0x7F  # e4m3: a normal value's exponent rebased by (127 - 7); a subnormal's mantissa * 2^-9
+    normal = ((magnitude << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    value = tl.where(magnitude < 8, magnitude.to(tl.float32) * (1.0 / 512), normal)
+    return tl.where((bits & 0x80) != 0, -value, value)
+
+
+@triton.jit
+def _row_scales(row_ptrs, mask, HEAD_DIM: tl.constexpr):
+    """The fp32 scale after each row's HEAD_DIM bytes, assembled from its 4 bytes (little-endian)."""
+    bits = tl.zeros(row_ptrs.shape, tl.int32)
+    for i in tl.static_range(4):
+        byte = tl.load(row_ptrs + HEAD_DIM + i, mask=mask, other=0).to(tl.int32) & 0xFF
+        bits = bits | (byte << (8 * i))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _paged_attention_kernel(
         out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
         query_start_loc_ptr, partial_out_ptr, partial_lse_ptr, qk_scale_log2, num_seqs,
@@ -97,7 +130,7 @@ def _paged_attention_kernel(
         stride_c_block, stride_c_slot, stride_c_head, stride_bt,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq = _find_sequence(query_start_loc_ptr, tl.program_id(0), num_seqs, BLOCK_Q)
@@ -137,14 +170,16 @@ def _paged_attention_kernel(
         key_ok = keys < kv_len  # never read past the context: unused slots may hold NaN
         blocks = tl.load(block_tables_ptr + seq * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0)
         slot = blocks.to(tl.int64) * stride_c_block + (keys % BLOCK_SIZE) * stride_c_slot + cache_head
-        k = tl.load(key_cache_ptr + slot[None, :] + dims[:, None],
-                    mask=dim_ok[:, None] & key_ok[None, :], other=0.0)  # [D, TILE_N]
-        v = tl.load(value_cache_ptr + slot[:, None] + dims[None, :],
-                    mask=key_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, D]
+        k = _cache_tile(key_cache_ptr + slot[None, :] + dims[:, None], dim_ok[:, None] & key_ok[None, :],
+                        QUANT)  # [D, TILE_N]
+        v = _cache_tile(value_cache_ptr + slot[:, None] + dims[None, :], key_ok[:, None] & dim_ok[None, :],
+                        QUANT)  # [TILE_N, D]
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, k, input_precision="ieee") * qk_scale_log2
+        if QUANT != 0:
+            s = s * _row_scales(key_cache_ptr + slot, key_ok, HEAD_DIM)[None, :]
         s = tl.where(keys[None, :] <= q_pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         # a row that sees no key yet (a later split's range starts past it) keeps p = 0, not NaN
@@ -152,6 +187,8 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, axis=1)
+        if QUANT != 0:  # a value's scale weighs its softmax weight (after the sum, which the scales do not enter)
+            p = p * _row_scales(value_cache_ptr + slot, key_ok, HEAD_DIM)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
 
@@ -206,7 +243,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     num_kv_heads = key_cache.shape[2]
     group = num_q_heads // num_kv_heads
     assert group * num_kv_heads == num_q_heads, "Hkv must divide Hq"
-    assert query.dtype == key_cache.dtype, "query and caches must share a dtype"
     _check_caches(key_cache, value_cache)
     if out is None:
         out = query.new_empty(query.shape)  # contiguous, whatever the layout of query
@@ -236,7 +272,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=key_cache.shape[1], GROUP=group,
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, NUM_SPLITS=splits,
-        UPCAST=INTERPRETING and key_cache.dtype == torch.bfloat16, num_warps=num_warps)
+        UPCAST=(INTERPRETING and key_cache.dtype == torch.bfloat16) or key_cache.dtype != query.dtype,
+        QUANT={torch.int8: 1, torch.uint8: 2}.get(key_cache.dtype, 0), num_warps=num_warps)
     if splits > 1:
         num_rows = num_tokens * num_q_heads
         rows_per_program = 64 if INTERPRETING else 1

@@ -16,7 +16,7 @@ from pathlib import Path
 import platformdirs
 
 from pagedchat import __version__
-from pagedchat.engine.config import DEFAULT_NUM_KV_BLOCKS, EngineArgs
+from pagedchat.engine.config import DEFAULT_NUM_KV_BLOCKS, KV_CACHE_DTYPES, EngineArgs
 from pagedchat.tui.demo import SCENES
 from pagedchat.tui.themes import DEFAULT_THEME, load_themes
 
@@ -140,6 +140,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda", help="where the model runs (auto)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="model and KV dtype (auto: bfloat16, float16 on a GPU without it)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="KV cache dtype: auto (the model's), or an 8-bit cache with a scale per slot and head, "
+                             "about twice the blocks in the same --kv-memory (auto)")
     parser.add_argument("--no-compile", action="store_true",
                         help="do not compile the decode step in the background (CPU; also PAGEDCHAT_COMPILE=0)")
 
@@ -195,7 +198,8 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
                       kv_cache_memory=args.kv_memory, max_model_len=args.max_model_len,
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                       enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.backend,
-                      dtype=args.dtype, device=args.device, compile=False if args.no_compile else None)
+                      dtype=args.dtype, device=args.device, compile=False if args.no_compile else None,
+                      kv_cache_dtype=args.kv_cache_dtype)
 
 
 def open_history():
@@ -254,9 +258,13 @@ def main(argv: list[str] | None = None) -> int:
             check_flags(args)
             return run_app(None, target.url, log_path, attach=target, theme=args.theme, demo=args.demo)
         scene = SCENES[args.demo] if args.demo else None
-        if scene and scene.num_blocks and args.num_blocks is None and args.kv_memory is None:
+        scene_pool = scene and scene.num_blocks and args.num_blocks is None and args.kv_memory is None
+        if scene_pool:
             args.num_blocks = scene.num_blocks  # the scene's pool, unless the user sized one
         config = checked_config(args)
+        if scene_pool and args.kv_cache_dtype in ("int8", "fp8"):  # the scene's bytes, which hold more 8-bit blocks
+            args.num_blocks, args.kv_memory = None, scene.num_blocks * sixteen_bit_block(config)
+            config = checked_config(args)
         history = None if args.no_history else open_history()
     except UsageError as exc:
         print(f"pagedchat: error: {exc}", file=sys.stderr)
@@ -268,6 +276,15 @@ def main(argv: list[str] | None = None) -> int:
                    theme=args.theme, demo=args.demo, history=history)
     leave_any_compile_or_load_behind(code)
     return code
+
+
+def sixteen_bit_block(config) -> int:
+    """The bytes of one block of a bf16 cache for this config's model: the unit a scene's pool is made of."""
+    import torch
+
+    from pagedchat.engine.worker.model_runner import KVLayout
+
+    return KVLayout.of(config.model_config).bytes_per_block(config.engine.block_size, torch.bfloat16)
 
 
 def leave_any_compile_or_load_behind(code: int) -> None:

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from pagedchat.engine.llm_engine import EngineConfig
 
 DEFAULT_NUM_KV_BLOCKS = 512
+# vLLM's `kv_cache_dtype` values taken here: auto is the dtype the model computes in (bf16, or fp32 for a GGUF
+# run in place); int8 and fp8 (e4m3) are 8-bit caches with a scale per slot and head (kernels/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")
 # Memory left over for everything else once a pool the user sized and the weights are in: activations, the
 # tokenizer, the app, torch's own allocations and the rest of the machine.
 MEMORY_HEADROOM = 2 * 2**30
@@ -56,6 +59,7 @@ class EngineArgs:
     device: str = "auto"
     num_threads: int | None = None
     compile: bool | None = None
+    kv_cache_dtype: str = "auto"
 
     def resolve(self, *, progress: bool = True) -> ResolvedConfig:
         """Every value decided and checked, the model found (installed first if it is the default and missing),
@@ -64,7 +68,7 @@ class EngineArgs:
         from pagedchat.engine.loading import gguf, loader
         from pagedchat.engine.worker.compiled_decode import compiling_by_default
         from pagedchat.engine.worker.model_runner import KVLayout
-        from pagedchat.kernels import select_backend
+        from pagedchat.kernels import kv_quant, select_backend
 
         device = loader.resolve_device(self.device)
         dtype = loader.resolve_dtype(self.dtype, device)
@@ -76,11 +80,15 @@ class EngineArgs:
             raise ConfigError("give num_kv_blocks (--num-blocks) or kv_cache_memory (--kv-memory), not both")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be at least 1, got {self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r} (--kv-cache-dtype): choose one of "
+                              f"{', '.join(KV_CACHE_DTYPES)}")
         path = loader.resolve_model(self.model, progress=progress)
         if loader.is_gguf(path):  # a GGUF's activations and KV cache are in the dtype it computes in
             dtype = gguf.compute_dtype(dtype, device)
         model_config = loader.check_model(path, self.max_model_len)
-        bytes_per_block = KVLayout.of(model_config).bytes_per_block(self.block_size, dtype)
+        cache_dtype = dtype if self.kv_cache_dtype == "auto" else kv_quant.CACHE_DTYPES[self.kv_cache_dtype]
+        bytes_per_block = KVLayout.of(model_config).bytes_per_block(self.block_size, cache_dtype)
         num_blocks = self._pool_blocks(bytes_per_block)
         weights_bytes = loader.weights_bytes(path, dtype)
         self._check_memory(num_blocks, num_blocks * bytes_per_block, weights_bytes, _available_memory(device),
@@ -96,7 +104,8 @@ class EngineArgs:
             num_kv_blocks=num_blocks, max_model_len=context, block_size=self.block_size,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching, num_threads=self.num_threads,
-            compile=compiling_by_default() if self.compile is None else self.compile)
+            compile=compiling_by_default() if self.compile is None else self.compile, kv_cache_dtype=cache_dtype,
+            weights_bytes=weights_bytes)
         return ResolvedConfig(self, Path(path), model_config, device, dtype, attention_ops, engine, bytes_per_block,
                               weights_bytes)
 
@@ -141,7 +150,7 @@ class ResolvedConfig:
     dtype: torch.dtype
     attention_ops: ModuleType
     engine: EngineConfig
-    bytes_per_block: int  # all layers' K and V of one block
+    bytes_per_block: int  # all layers' K and V of one block, an 8-bit cache's scales included
     weights_bytes: int  # the weights in memory once loaded
 
     @property

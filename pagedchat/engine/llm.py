@@ -28,10 +28,11 @@ class LLM:
         device: str = "auto",
         num_threads: int | None = None,
         compile: bool | None = None,
+        kv_cache_dtype: str = "auto",  # "auto" (the model's dtype) | "bfloat16" | "float32" | "int8" | "fp8"
     ):
         self._start(EngineArgs(model, block_size, num_kv_blocks, kv_cache_memory, max_model_len, max_num_seqs,
                                max_num_batched_tokens, enable_prefix_caching, attention_backend, dtype, device,
-                               num_threads, compile).resolve())
+                               num_threads, compile, kv_cache_dtype).resolve())
 
     @classmethod
     def from_config(cls, config: ResolvedConfig) -> "LLM":

@@ -18,6 +18,7 @@ from pagedchat.engine.core.scheduler import ScheduledSeq, Scheduler
 from pagedchat.engine.core.sequence import Sequence, Status, make_generator
 from pagedchat.engine.api.snapshot import BlockInfo, KVSnapshot, RequestInfo
 from pagedchat.engine.runtime.threads import ThreadPolicy
+from pagedchat.kernels import kv_quant
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch threads; None: the cores other processes leave free (threads.py)
     compile: bool = True  # compile the decode step in the background (CPU, torch backend; compiled_decode.py)
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype; torch.int8 / torch.uint8: kv_quant.py
+    weights_bytes: int = 0  # the weights in memory, as the config counted them (0: not known)
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
@@ -61,7 +64,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.threads = ThreadPolicy() if config.num_threads is None else None
         self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size, attention_ops, config.max_model_len,
-                                  config.compile)
+                                  config.compile, config.kv_cache_dtype)
         log.info("kernel plan: %s", self.runner.plan.describe())
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.groups: dict[str, list[Sequence]] = {}  # request id -> its samples: the requests the engine knows
@@ -316,6 +319,7 @@ class LLMEngine:
             for seq in seqs
         )
         self._trim_rate(time.perf_counter())
+        other = torch.bfloat16 if kv_quant.is_quantized(self.runner.kv_cache_dtype) else torch.int8
         return KVSnapshot(
             step=self.step_count,
             num_blocks=self.pool.num_blocks,
@@ -333,7 +337,24 @@ class LLMEngine:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             tokens_per_second=sum(n for _, n in self._rate) / RATE_WINDOW_S,
             events=tuple(self.pool.events),
+            kv_cache_dtype=kv_quant.NAMES[self.runner.kv_cache_dtype],
+            bytes_per_block=self.runner.bytes_per_block,
+            other_kv_cache_dtype=kv_quant.NAMES[other],
+            other_num_blocks=self.pool.num_blocks * self.runner.bytes_per_block // self.runner.layout.bytes_per_block(
+                self.pool.block_size, other),
+            weights_format=self.runner.plan.weights_format,
+            weights_bytes=self.config.weights_bytes,
         )
+
+    def block_scales(self, block_id: int, num_tokens: int) -> tuple[tuple[float, float], tuple[float, float]] | None:
+        """The smallest and largest scale of a block's first `num_tokens` slots, (keys, values), over every layer
+        and KV head; None for a cache without scales, or an empty block. It reads the cache alone, so another
+        thread may ask while a step runs (the numbers are then a moment's)."""
+        if not kv_quant.is_quantized(self.runner.kv_cache_dtype) or num_tokens == 0:
+            return None
+        keys, values = (torch.stack([kv_quant.scales(cache[i][block_id, :num_tokens]) for cache in self.runner.kv_caches])
+                        for i in (0, 1))
+        return (keys.min().item(), keys.max().item()), (values.min().item(), values.max().item())
 
 
 def stop_string_at(text: str, num_added: int, stop_strings: tuple[str, ...]) -> int | None:

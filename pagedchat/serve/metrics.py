@@ -46,7 +46,9 @@ def render(snapshot: KVSnapshot | None, counters: Counters | None, model_name: s
                counters.generation_tokens)
         metric("vllm:request_success_total", "counter", "Count of finished requests.", counters.requests)
         metric("vllm:cache_config_info", "gauge", "Information of the KV cache config.", 1,
-               {"block_size": str(snapshot.block_size), "num_gpu_blocks": str(snapshot.num_blocks)})
+               {"block_size": str(snapshot.block_size), "num_gpu_blocks": str(snapshot.num_blocks),
+                "cache_dtype": snapshot.kv_cache_dtype,
+                "kv_cache_memory_bytes": str(snapshot.num_blocks * snapshot.bytes_per_block)})
     # A compile takes a core and much of the GIL for 15 s to 2 min (compiled_decode.py): what a benchmark
     # waits out before it times the server, as it does for LLM.generate in its own process.
     metric("pagedchat:decode_compiling", "gauge", "1 while the one-chat decode step compiles in the background.",

@@ -11,7 +11,11 @@ from pagedchat.tui.themes import SessionTag
 HINT = "click a block, or focus the grid (tab) and use the arrow keys, to see what it holds"
 
 
-def detail_text(block: BlockInfo, block_size: int, tag_of: Callable[[str], SessionTag], tokens_text: str) -> Text:
+Scales = tuple[tuple[float, float], tuple[float, float]]  # an 8-bit block's (keys, values) scales: (min, max)
+
+
+def detail_text(block: BlockInfo, block_size: int, tag_of: Callable[[str], SessionTag], tokens_text: str,
+                scales: Scales | None = None) -> Text:
     state = "free" if block.ref_count == 0 else "shared" if block.ref_count > 1 else "in use"
     if block.ref_count == 0 and block.cached:
         state = "free, cached prefix"
@@ -21,6 +25,9 @@ def detail_text(block: BlockInfo, block_size: int, tag_of: Callable[[str], Sessi
     owners = ", ".join(tag_of(owner).name for owner in block.owners) or "none"
     text.append(f"owners: {owners}\n")
     text.append(f"hash: {block.block_hash:016x}\n" if block.block_hash is not None else "hash: none (not full)\n")
+    if scales is not None:  # an 8-bit cache's: each slot's KV head in every layer has its own
+        (k_low, k_high), (v_low, v_high) = scales
+        text.append(f"scales: K {k_low:.3g}–{k_high:.3g} · V {v_low:.3g}–{v_high:.3g}\n")
     text.append(repr(tokens_text) if block.token_ids else "(empty)", style="italic")
     return text
 
@@ -40,11 +47,12 @@ class BlockDetail(Static):
         self._key: tuple | None = None
 
     def show(self, block: BlockInfo | None, block_size: int, tag_of: Callable[[str], SessionTag],
-             decode: Callable[[list[int]], str]) -> None:
+             decode: Callable[[list[int]], str], scales: Scales | None = None) -> None:
         # The text is part of the key: an attached server's arrives a moment after the block is chosen.
         tokens_text = decode(list(block.token_ids)) if block is not None and block.token_ids else ""
-        key = None if block is None else (block, tuple(tag_of(owner) for owner in block.owners), tokens_text)
+        key = None if block is None else (block, tuple(tag_of(owner) for owner in block.owners), tokens_text,
+                                          scales)
         if key != self._key:
             self._key = key
-            self.update(HINT if block is None else detail_text(block, block_size, tag_of, tokens_text))
+            self.update(HINT if block is None else detail_text(block, block_size, tag_of, tokens_text, scales))
             self.set_class(block is None, "-hint")  # a short screen hides the hint (app.tcss)

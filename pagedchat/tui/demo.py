@@ -48,7 +48,9 @@ class Scene:
     tabs: int
     shared_prompt: bool  # every tab under SYSTEM_PROMPT, else each under one of PROMPTS
     params: SamplingParams
-    num_blocks: int | None = None  # the pool it is made for; an explicit --num-blocks or --kv-memory wins
+    # the pool it is made for; an explicit --num-blocks or --kv-memory wins; with an 8-bit cache, the bytes of
+    # that many bf16 blocks, which hold about twice as many 8-bit ones
+    num_blocks: int | None = None
     forks: int = 0  # tabs forked from the first once it has replied
     samples: int = 1  # n of the last tab: samples of each reply, sharing its prompt's blocks
 

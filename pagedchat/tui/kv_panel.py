@@ -8,7 +8,7 @@ from textual.containers import Vertical
 from textual.widgets import Static
 
 from pagedchat.engine.api.snapshot import KVSnapshot
-from pagedchat.tui.block_detail import BlockDetail
+from pagedchat.tui.block_detail import BlockDetail, Scales
 from pagedchat.tui.block_grid import MARK_GLYPHS, BlockGrid
 from pagedchat.tui.block_tables import BlockTables
 from pagedchat.tui.contiguous_view import ContiguousView
@@ -58,6 +58,7 @@ class KVPanel(Vertical):
         self.step_marks_on = False  # mark what the last step read and wrote (set_step_marks)
         self._tag_of: Callable[[str], SessionTag] = SessionTag.fallback
         self._decode: Callable[[list[int]], str] = lambda ids: " ".join(map(str, ids))
+        self._scales: Callable[[int, int], Scales | None] | None = None
 
     def compose(self) -> ComposeResult:
         yield KVStats("waiting for the engine…")
@@ -74,11 +75,14 @@ class KVPanel(Vertical):
         self.app.theme_changed_signal.subscribe(self, lambda _theme: self._redraw())
 
     def show(self, snapshot: KVSnapshot, tag_of: Callable[[str], SessionTag] | None = None,
-             decode: Callable[[list[int]], str] | None = None) -> None:
-        """Draw a snapshot. `tag_of` names and colours request ids; `decode` turns tokens to text."""
+             decode: Callable[[list[int]], str] | None = None,
+             scales: Callable[[int, int], Scales | None] | None = None) -> None:
+        """Draw a snapshot. `tag_of` names and colours request ids; `decode` turns tokens to text; `scales` gives
+        an 8-bit block's scales from its id and filled slots (a local engine's: the snapshot does not hold them)."""
         self.snapshot = snapshot
         self._tag_of = tag_of or self._tag_of
         self._decode = decode or self._decode
+        self._scales = scales or self._scales
         self.query_one(KVStats).show(snapshot)
         self.query_one(BlockGrid).show(snapshot, self._tag_of, step_marks(snapshot) if self.step_marks_on else {})
         self.query_one(ContiguousView).show(snapshot, self._tag_of)
@@ -101,8 +105,9 @@ class KVPanel(Vertical):
         cursor = self.query_one(BlockGrid).cursor
         snapshot = self.snapshot
         block = snapshot.blocks[cursor] if snapshot and cursor is not None else None
+        scales = self._scales(block.block_id, block.num_tokens) if block is not None and self._scales else None
         self.query_one(BlockDetail).show(block, snapshot.block_size if snapshot else 0,
-                                         self._tag_of, self._decode)
+                                         self._tag_of, self._decode, scales)
 
     def on_block_grid_selected(self) -> None:
         self._show_detail()

@@ -6,6 +6,25 @@ from pagedchat.engine.api.snapshot import KVSnapshot
 from pagedchat.tui.text_panel import TextPanel, Word, flow
 
 LIVE = ("waiting", "running", "preempted", "parked")  # requests that hold (or will hold) blocks
+BITS = {"int8": 8, "fp8": 8, "bfloat16": 16, "float16": 16, "float32": 32}
+
+
+def megabytes(size: int) -> str:
+    return f"{size / 1e6:.1f} MB" if size < 10e6 else f"{size / 1e6:,.0f} MB"
+
+
+def memory_lines(snapshot: KVSnapshot) -> list[list[Word]]:
+    """The cache's dtype, a block's bytes and the pool's, and the weights beside them; none where the
+    snapshot does not say (an older server's)."""
+    lines = []
+    if snapshot.bytes_per_block:
+        lines.append([("", f"KV {snapshot.kv_cache_dtype}"), (" · ", f"{snapshot.bytes_per_block:,} B/block"),
+                      (" · ", f"pool {megabytes(snapshot.num_blocks * snapshot.bytes_per_block)}")])
+    if snapshot.weights_bytes:
+        mapped = " mapped" if "GGUF" in snapshot.weights_format else ""
+        lines.append([("", f"weights {snapshot.weights_format}"),
+                      (" ", f"{megabytes(snapshot.weights_bytes)}{mapped}")])
+    return lines
 
 
 def contiguous_blocks(snapshot: KVSnapshot) -> int:
@@ -23,7 +42,10 @@ def stats_lines(snapshot: KVSnapshot) -> list[list[Word]]:
             if snapshot.prefix_cache_queries else 0.0)
     contiguous = contiguous_blocks(snapshot)
     over = [(" ", Text("> pool!", style="bold"))] if contiguous > snapshot.num_blocks else []
+    other = ([[("", f"at {BITS[snapshot.other_kv_cache_dtype]} bits this pool would be "
+                    f"{snapshot.other_num_blocks} blocks")]] if snapshot.other_num_blocks else [])
     return [
+        *memory_lines(snapshot),
         [("", Text(f"free {snapshot.num_free_blocks}/{snapshot.num_blocks} blocks", style="bold")),
          (" · ", f"{usage:.0f}% used"), (" · ", f"{snapshot.num_cached_blocks} cached")],
         [("", f"run {snapshot.num_running}"), (" · ", f"wait {snapshot.num_waiting}"),
@@ -33,6 +55,7 @@ def stats_lines(snapshot: KVSnapshot) -> list[list[Word]]:
          (" · ", f"step {snapshot.step}")],
         [("", f"contiguous would hold {contiguous:>5} blocks"), *over],
         [("", Text(f"paging holds          {used:>5} blocks", style="bold"))],
+        *other,
     ]
 
 

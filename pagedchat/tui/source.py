@@ -118,7 +118,7 @@ class LocalEngine:
         return None
 
     def draw(self, panel, snapshot: KVSnapshot, tag_of: Callable[[str], SessionTag]) -> None:
-        panel.show(snapshot, tag_of, self.decode)
+        panel.show(snapshot, tag_of, self.decode, getattr(self.engine, "block_scales", None))  # None: a stand-in
 
     async def close(self) -> None:
         if self.worker is not None:

@@ -1,7 +1,7 @@
 """The engine's state as immutable values: what the UI draws and what tests check."""
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +57,15 @@ class KVSnapshot:
     prefix_cache_hits: int
     tokens_per_second: float
     events: tuple[BlockEvent, ...]
+    # after events, with defaults, so that hand-made snapshots and an older server's still build
+    kv_cache_dtype: str = ""  # "bfloat16", "float32", "int8", "fp8"; "" where not known
+    bytes_per_block: int = 0  # all layers' K and V of one block, an 8-bit cache's scales included; 0: not known
+    # what the pool's bytes would hold in the other width: "int8" blocks for a 16/32-bit cache, "bfloat16"
+    # blocks for an 8-bit one
+    other_kv_cache_dtype: str = ""
+    other_num_blocks: int = 0
+    weights_format: str = ""  # e.g. "Q4_1 GGUF" (its matrices used where they lie, mapped) or "bf16"
+    weights_bytes: int = 0  # the weights in memory; 0: not known
 
 
 def snapshot_to_json(s: KVSnapshot) -> dict:
@@ -88,5 +97,6 @@ def snapshot_from_json(d: dict) -> KVSnapshot:
 
 
 def _build(cls, d: dict):
-    # Fields a newer server adds are left out, so that an older client can still attach to it.
-    return cls(**{f.name: d[f.name] for f in fields(cls)})
+    # Fields a newer server adds are left out, so that an older client can still attach to it; fields an older
+    # server lacks take their defaults.
+    return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d or f.default is MISSING})

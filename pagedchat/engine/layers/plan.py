@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedchat.engine.layers.linear import CpuLinear, Linear, linear_for
-from pagedchat.kernels import cpu_attention, cpu_gemm, native, quant
+from pagedchat.kernels import cpu_attention, cpu_gemm, kv_quant, native, quant
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _PLAIN_FORMATS = ("F32", "F16", "BF16")
@@ -25,6 +25,15 @@ class KernelPlan:
     # a GGUF's matrices multiplied where they lie: their formats (e.g. ('Q4_K', 'Q6_K')), most bytes first;
     # empty for a model of plain `dtype` tensors
     weight_formats: tuple[str, ...] = ()
+    kv_cache: str | None = None  # the cache's dtype where it is not the model's, e.g. "int8"
+
+    @property
+    def weights_format(self) -> str:
+        """The weights as the model holds them: a GGUF's main format where it runs in place ('Q4_1 GGUF'), else
+        its dtype ('bf16')."""
+        if self.weight_formats:
+            return f"{self.weight_formats[0]} GGUF"
+        return _DTYPE_NAMES.get(self.dtype, str(self.dtype))
 
     @property
     def cpu_linear(self) -> CpuLinear | None:
@@ -55,14 +64,17 @@ class KernelPlan:
         """One line, e.g. 'bf16 on avx2: 1+ rows cpu_gemm; decode attention cpu_attention', or for a GGUF's
         weights 'Q4_K/Q6_K on avx2: quant kernels (8-bit activations); decode attention cpu_attention'."""
         if self.weight_formats:
-            line = f"{self._quantized_products()}; decode attention {self.attention}"
+            line = f"{self._quantized_products()}; decode attention {self._attention()}"
             return line + "".join(f"; {problem}" for problem in self.problems)
         isa = ("avx512_bf16" if {"avx512_bf16", "amx_bf16"} & native.cpu_flags() else
                "avx2" if native.AVX2_CPU_FLAGS <= native.cpu_flags() else "no avx2")
         where = isa if self.device.type == "cpu" else self.device.type
         line = f"{_DTYPE_NAMES.get(self.dtype, str(self.dtype))} on {where}: {self._products()}; " \
-               f"decode attention {self.attention}"
+               f"decode attention {self._attention()}"
         return line + "".join(f"; {problem}" for problem in self.problems)
+
+    def _attention(self) -> str:
+        return self.attention if self.kv_cache is None else f"{self.attention} ({self.kv_cache} cache)"
 
     def _quantized_products(self) -> str:
         quantized = [name for name in self.weight_formats if name not in _PLAIN_FORMATS]
@@ -96,17 +108,19 @@ class KernelPlan:
 
 
 def plan_for(dtype: torch.dtype, device: torch.device, attention_backend: str,
-             weight_formats: tuple[str, ...] = ()) -> KernelPlan:
+             weight_formats: tuple[str, ...] = (), kv_cache_dtype: torch.dtype | None = None) -> KernelPlan:
     """The plan for a model of this dtype on this device, whose attention backend is "torch" or "triton"; with
-    `weight_formats`, of a GGUF's matrices multiplied where they lie (`ColumnProduct`), in those formats."""
+    `weight_formats`, of a GGUF's matrices multiplied where they lie (`ColumnProduct`), in those formats; over a
+    KV cache of `kv_cache_dtype` (None: the model's dtype)."""
     problems = tuple(f"{name} not built ({reason}): torch stands in" for name, isa in _C_FILES
                      if device.type == "cpu" and (reason := native.problem(name, isa)))
     linear = linear_for(dtype, device)
     if attention_backend != "torch":
         attention = attention_backend
     else:
-        attention = (cpu_attention.name(dtype) if device.type == "cpu" else None) or "torch"
-    return KernelPlan(dtype, device, linear, attention, problems, tuple(weight_formats))
+        attention = (cpu_attention.name(dtype, kv_cache_dtype) if device.type == "cpu" else None) or "torch"
+    kv_cache = None if kv_cache_dtype in (None, dtype) else kv_quant.NAMES[kv_cache_dtype]
+    return KernelPlan(dtype, device, linear, attention, problems, tuple(weight_formats), kv_cache)
 
 
 _C_FILES = (("cpu_gemm.c", "avx2"), ("cpu_attention.c", "avx2"), ("cpu_gemm_bf16.c", "avx512_bf16"),

@@ -11,7 +11,7 @@ from pagedchat.engine import models
 from pagedchat.engine.layers.plan import plan_for
 from pagedchat.engine.loading.gguf import GgufModel
 from pagedchat.engine.core.scheduler import ScheduledSeq
-from pagedchat.kernels import AttentionMetadata, torch_ops
+from pagedchat.kernels import AttentionMetadata, kv_quant, torch_ops
 
 if TYPE_CHECKING:  # transformers' model code is imported only where a model of it is loaded
     from transformers import PreTrainedModel
@@ -29,7 +29,8 @@ class KVLayout:
         return cls(config.num_hidden_layers, config.num_key_value_heads, head_dim)
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
+        """All layers' K and V of one block in a cache of `dtype` (an 8-bit cache's scales included)."""
+        return 2 * self.num_layers * block_size * self.num_kv_heads * kv_quant.row_bytes(dtype, self.head_dim)
 
 
 def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -46,29 +47,33 @@ class ModelRunner:
     """Runs one packed step of all scheduled tokens through the lean forward, with paged KV."""
 
     def __init__(self, model: "PreTrainedModel | GgufModel", num_blocks: int, block_size: int, attention_ops: ModuleType,
-                 max_model_len: int, compile: bool = False):
+                 max_model_len: int, compile: bool = False, kv_cache_dtype: torch.dtype | None = None):
         self.model = model
         backend = attention_ops.__name__.rpartition(".")[2].removesuffix("_ops")
         forward = models.forward_for(model.config.model_type)
+        self.kv_cache_dtype = kv_cache_dtype or model.dtype
         if isinstance(model, GgufModel):
             formats = tuple(model.weight_types) if model.in_place else ()
-            self.plan = plan_for(model.dtype, model.device, backend, formats)
+            self.plan = plan_for(model.dtype, model.device, backend, formats, self.kv_cache_dtype)
             self.lean = forward.from_gguf(model, max_model_len, self.plan)
         else:
-            self.plan = plan_for(model.dtype, model.device, backend)
+            self.plan = plan_for(model.dtype, model.device, backend, kv_cache_dtype=self.kv_cache_dtype)
             self.lean = forward.from_transformers(model, max_model_len, self.plan)
         self.block_size = block_size
         self.attention_ops = attention_ops
         self.device = model.device
-        layout = KVLayout.of(model.config)
+        self.layout = layout = KVLayout.of(model.config)
         # one block past the pool's: the compiled step's warm-up and padding write and read there
-        shape = (num_blocks + 1, block_size, layout.num_kv_heads, layout.head_dim)
-        self.kv_caches = [(untouched_zeros(shape, model.dtype, self.device), untouched_zeros(shape, model.dtype, self.device))
-                          for _ in range(layout.num_layers)]
+        shape = (num_blocks + 1, block_size, layout.num_kv_heads, kv_quant.row_width(self.kv_cache_dtype, layout.head_dim))
+        self.kv_caches = [(untouched_zeros(shape, self.kv_cache_dtype, self.device),
+                           untouched_zeros(shape, self.kv_cache_dtype, self.device)) for _ in range(layout.num_layers)]
+        self.bytes_per_block = layout.bytes_per_block(block_size, self.kv_cache_dtype)
         self.compiled: CompiledDecode | None = None
         # compiling gains only where the eager step multiplies one row as the compiled one does, by torch's own
         # product; where cpu_gemm or oneDNN takes one row the eager step is the faster (bench/RESULTS.md)
-        if compile and self.device.type == "cpu" and attention_ops is torch_ops and self.plan.one_row_is_torch_product:
+        # (and it traces a cache of the model's own dtype)
+        if compile and self.device.type == "cpu" and attention_ops is torch_ops and self.plan.one_row_is_torch_product \
+                and self.kv_cache_dtype == model.dtype:
             self.compiled = CompiledDecode(self.lean, self.kv_caches, scratch_block=num_blocks)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
