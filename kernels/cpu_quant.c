@@ -55,7 +55,7 @@ typedef struct {
     int8_t *q;
     float *d, *ds;
     int16_t *sums16;
-    int64_t K;
+    int64_t M, K;
 } acts;
 
 static int block_values(int type) { return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32; }
@@ -242,6 +242,47 @@ static void quantize_row(const void *x, int kind, int64_t K, int qb, int8_t *q, 
     }
 }
 
+#if defined(__AVX2__)
+/* The K-quants against more than one row of x (below) sum the s16 products of two or four registers before
+ * one madd applies their sub-blocks' scales, where each register would take a madd of its own: a quarter or
+ * a sixth fewer of the vector multiplies that bound a batch. That takes each 16-bit word of the registers
+ * summed to hold bytes of one sub-block, the same in each; these two shuffles make it so, from registers
+ * of one sub-block each, and x's rows are shuffled alike once, as they are quantized. */
+
+/* words_4x4: word k of each register from register k % 4 (a 4 x 4 transpose of the words of each 64 bits) */
+ALWAYS void words_4x4(__m256i v[4]) {
+    const __m256i p0 = _mm256_unpacklo_epi16(v[0], v[1]), p1 = _mm256_unpackhi_epi16(v[0], v[1]);
+    const __m256i q0 = _mm256_unpacklo_epi16(v[2], v[3]), q1 = _mm256_unpackhi_epi16(v[2], v[3]);
+    v[0] = _mm256_unpacklo_epi32(p0, q0);
+    v[1] = _mm256_unpackhi_epi32(p0, q0);
+    v[2] = _mm256_unpacklo_epi32(p1, q1);
+    v[3] = _mm256_unpackhi_epi32(p1, q1);
+}
+
+/* words_2x2: word k of each register from register k % 2, within each 128-bit half */
+ALWAYS void words_2x2(__m256i v[2]) {
+    const __m256i lo = _mm256_unpacklo_epi16(v[0], v[1]);
+    v[1] = _mm256_unpackhi_epi16(v[0], v[1]);
+    v[0] = lo;
+}
+
+/* x's row as the many-row K-quant kernels read it: each 128 bytes through words_4x4 (Q4_K, Q5_K) or each 64
+ * through words_2x2 (Q6_K) */
+static void shuffle_for_k(int8_t *q, int64_t K, int type) {
+    const int span = type == Q6_K ? 64 : 128;
+    for (int64_t i = 0; i < K; i += span) {
+        __m256i v[4];
+        for (int t = 0; t < span / 32; t++) v[t] = _mm256_loadu_si256((const __m256i *)(q + i + 32 * t));
+        if (type == Q6_K) words_2x2(v);
+        else words_4x4(v);
+        for (int t = 0; t < span / 32; t++) _mm256_storeu_si256((__m256i *)(q + i + 32 * t), v[t]);
+    }
+}
+#endif
+
+/* Row m of x multiplied alone: the last of M where M is one more than a multiple of MR */
+static int alone(int64_t m, int64_t M) { return M - m / MR * MR == 1; }
+
 static void quantize_acts(const void *x, int kind, int64_t m, const acts *a, int type) {
     const int64_t K = a->K;
     const int qb = block_values(type);
@@ -261,6 +302,7 @@ static void quantize_acts(const void *x, int kind, int64_t m, const acts *a, int
             for (int l = 0; l < 16; l++) s += q[16 * g + l];
             a->sums16[m * (K / 16) + g] = (int16_t)s;
         }
+    if (block_values(type) == 256 && !alone(m, a->M)) shuffle_for_k(q, K, type);
     if (type == Q4_0 || type == Q4_1)  /* each pair of blocks as rows_q4_pairs reads it */
         for (int64_t b = 0; b + 1 < K / 32; b += 2) {
             int8_t swap[16];
@@ -282,29 +324,53 @@ static void quantize_acts(const void *x, int kind, int64_t m, const acts *a, int
 #define SPLAT16(v) SPLAT4(v), SPLAT4(v + 4), SPLAT4(v + 8), SPLAT4(v + 12)
 static const int16_t splat[64][16] __attribute__((aligned(32))) = {SPLAT16(0), SPLAT16(16), SPLAT16(32), SPLAT16(48)};
 
-/* Sub-blocks 2j and 2j + 1 of a Q4_K or Q5_K block (the low and high nibbles of its 32 bytes from qs + 32j,
- * bit 2j and 2j + 1 of each qh byte above them) against the mr rows of x, into isum */
-ALWAYS void q45_k_pair(const uint8_t *qs, __m256i *high, int j, uint32_t sc4_lo, uint32_t sc4_hi, const int8_t *xq,
-                       int64_t K, const int mr, const int five, __m256i *isum) {
+/* Q4_K's or Q5_K's 32 bytes of qs from qs + 32j as the values of sub-blocks 2j (lo) and 2j + 1 (hi), with bits 2j
+ * and 2j + 1 of each qh byte (`high`, shifted on for the next j) above them for Q5_K */
+ALWAYS void q45_k_values(const uint8_t *qs, __m256i *high, int j, const int five, __m256i *lo, __m256i *hi) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-    __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+    *lo = _mm256_and_si256(packed, low4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
     if (five) {
-        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(*high, _mm256_set1_epi8(1)), 4));
-        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(*high, _mm256_set1_epi8(2)), 3));
+        *lo = _mm256_or_si256(*lo, _mm256_slli_epi16(_mm256_and_si256(*high, _mm256_set1_epi8(1)), 4));
+        *hi = _mm256_or_si256(*hi, _mm256_slli_epi16(_mm256_and_si256(*high, _mm256_set1_epi8(2)), 3));
         *high = _mm256_srli_epi16(*high, 2);
     }
+}
+
+/* Sub-blocks 2j and 2j + 1 of a Q4_K or Q5_K block against one row of x (in the file's order), into isum */
+ALWAYS void q45_k_pair(const uint8_t *qs, __m256i *high, int j, uint32_t sc4_lo, uint32_t sc4_hi, const int8_t *x,
+                       const int five, __m256i *isum) {
+    __m256i lo, hi;
+    q45_k_values(qs, high, j, five, &lo, &hi);
     /* 4 x the scales: an index that addressing scales by 8 to splat's rows of 32 bytes */
     const uint32_t pair = (j < 2 ? sc4_lo : sc4_hi) >> (16 * (j & 1));
     const __m256i scale_lo = _mm256_load_si256((const __m256i *)((const char *)splat + 8 * (pair & 0xfc)));
     const __m256i scale_hi = _mm256_load_si256((const __m256i *)((const char *)splat + 8 * (pair >> 8 & 0xfc)));
+    x += 64 * j;
+    const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)), scale_lo);
+    const __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 32))),
+                                          scale_hi);
+    *isum = _mm256_add_epi32(*isum, _mm256_add_epi32(plo, phi));
+}
+
+/* Sub-blocks 4g..4g + 3 (`scales4`: their scales, a byte each) of a Q4_K or Q5_K block against the mr rows of x
+ * (shuffled by words_4x4), into isum: the four products summed in s16 (at most 4 x 2 x 31 x 127, no overflow)
+ * meet their scales in one madd */
+ALWAYS void q45_k_quad(const uint8_t *qs, __m256i *high, int g, uint32_t scales4, const int8_t *xq, int64_t K,
+                       const int mr, const int five, __m256i *isum) {
+    __m256i v[4];
+    q45_k_values(qs, high, 2 * g, five, &v[0], &v[1]);
+    q45_k_values(qs, high, 2 * g + 1, five, &v[2], &v[3]);
+    words_4x4(v);
+    const __m256i scales = _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128((int)scales4)));
     for (int r = 0; r < mr; r++) {
-        const int8_t *x = xq + r * K + 64 * j;
-        const __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
-                                              scale_lo);
-        const __m256i phi = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 32))), scale_hi);
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(plo, phi));
+        const __m256i *x = (const __m256i *)(xq + r * K + 128 * g);
+        const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], _mm256_loadu_si256(x)),
+                                             _mm256_maddubs_epi16(v[1], _mm256_loadu_si256(x + 1)));
+        const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(v[2], _mm256_loadu_si256(x + 2)),
+                                             _mm256_maddubs_epi16(v[3], _mm256_loadu_si256(x + 3)));
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_add_epi16(s01, s23), scales));
     }
 }
 
@@ -332,10 +398,10 @@ ALWAYS void rows_q45_k(const uint8_t *w, const acts *a, int64_t m0, const int mr
         __m256i isum[MR];
         for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
         if (mr == 1)
-            for (int j = 0; j < 4; j++) q45_k_pair(qs, &high, j, u[0] << 2, u[1] << 2, xq, K, mr, five, isum);
+            for (int j = 0; j < 4; j++) q45_k_pair(qs, &high, j, u[0] << 2, u[1] << 2, xq, five, isum);
         else {
-            #pragma GCC unroll 1  /* unrolled, gcc spills the products of all four pairs to the stack */
-            for (int j = 0; j < 4; j++) q45_k_pair(qs, &high, j, u[0] << 2, u[1] << 2, xq, K, mr, five, isum);
+            #pragma GCC unroll 1  /* unrolled, gcc spills the products of both to the stack */
+            for (int g = 0; g < 2; g++) q45_k_quad(qs, &high, g, u[g], xq, K, mr, five, isum);
         }
         for (int r = 0; r < mr; r++) {
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[r])),
@@ -386,18 +452,38 @@ ALWAYS void rows_q6_k(const uint8_t *w, const acts *a, int64_t m0, const int mr,
                                    _mm256_and_si256(qh, _mm256_set1_epi8(0x30)));
             q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
                                    _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8((char)0xC0)), 2));
-            for (int g = 0; g < 4; g++) {  /* scales 2g, 2g + 1 of the half: one over each 8 lanes */
-                const __m128i lo = _mm_set1_epi16((short)(0x0100 + 0x0404 * g));
-                s[g] = _mm256_shuffle_epi8(halves[h], _mm256_set_m128i(_mm_add_epi8(lo, _mm_set1_epi8(2)), lo));
-            }
-            for (int r = 0; r < mr; r++) {
-                const int8_t *xq = a->q + (m0 + r) * K + 256 * b + 128 * h;
+            if (mr == 1) {
+                for (int g = 0; g < 4; g++) {  /* scales 2g, 2g + 1 of the half: one over each 8 lanes */
+                    const __m128i lo = _mm_set1_epi16((short)(0x0100 + 0x0404 * g));
+                    s[g] = _mm256_shuffle_epi8(halves[h], _mm256_set_m128i(_mm_add_epi8(lo, _mm_set1_epi8(2)), lo));
+                }
+                const int8_t *xq = a->q + m0 * K + 256 * b + 128 * h;
                 __m256i p[4];
                 for (int g = 0; g < 4; g++)
                     p[g] = _mm256_madd_epi16(
                         _mm256_maddubs_epi16(q[g], _mm256_loadu_si256((const __m256i *)(xq + 32 * g))), s[g]);
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]),
+                isum[0] = _mm256_add_epi32(isum[0], _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]),
                                                                       _mm256_add_epi32(p[2], p[3])));
+                continue;
+            }
+            /* groups 2P and 2P + 1 through words_2x2, as x's rows are: their products summed in s16 (at most
+             * 2 x 2 x 63 x 127) meet, in the low 128 bits, scales 4P and 4P + 2 of the half word by word, in
+             * the high, 4P + 1 and 4P + 3 */
+            words_2x2(q);
+            words_2x2(q + 2);
+            for (int P = 0; P < 2; P++) {
+                const __m128i lo = _mm_set1_epi32(0x05040100 + 0x08080808 * P);
+                s[P] = _mm256_shuffle_epi8(halves[h], _mm256_set_m128i(_mm_add_epi8(lo, _mm_set1_epi8(2)), lo));
+            }
+            for (int r = 0; r < mr; r++) {
+                const __m256i *x = (const __m256i *)(a->q + (m0 + r) * K + 256 * b + 128 * h);
+                __m256i p[2];
+                for (int P = 0; P < 2; P++)
+                    p[P] = _mm256_madd_epi16(
+                        _mm256_add_epi16(_mm256_maddubs_epi16(q[2 * P], _mm256_loadu_si256(x + 2 * P)),
+                                         _mm256_maddubs_epi16(q[2 * P + 1], _mm256_loadu_si256(x + 2 * P + 1))),
+                        s[P]);
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(p[0], p[1]));
             }
         }
         for (int r = 0; r < mr; r++)
@@ -668,6 +754,7 @@ static tile_fn tile_for(int type) {
 /* The scratch of x quantized for `type`: M rows of K */
 static int acts_alloc(acts *a, int64_t M, int64_t K, int type) {
     const int qb = block_values(type);
+    a->M = M;
     a->K = K;
     a->q = malloc(M * K + sizeof(float) * (M * K / qb + M * K / 32) + sizeof(int16_t) * (M * K / 16));
     if (a->q == NULL) return 1;

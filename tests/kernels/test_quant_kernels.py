@@ -120,6 +120,31 @@ def test_threads_split_rows_without_changing_them(isa: str) -> None:
     check_product(results[0], x, raw.numpy(), ggml_type)
 
 
+K_QUANTS = [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("ggml_type", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("sign", [1, -1])
+def test_k_quants_at_their_largest_values_do_not_overflow(isa: str, ggml_type: int, sign: int) -> None:
+    """Every value and sub-block scale at its largest and every x at +-127 after quantization: the many-row
+    kernels sum the 16-bit products of several registers before scaling them, which only these values bring
+    near 32,767. 9 rows: 8 through the many-row kernels, the 9th alone."""
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    rows, depth = 9, 2 * block
+    raw = np.full((rows, depth // block, size), 0xFF, dtype=np.uint8)  # values 15, 31 or 63; 6-bit scales 63
+    if ggml_type == GGMLQuantizationType.Q6_K:
+        raw[..., 192:208] = 127  # its int8 scales
+    d_at = [size - 2] if ggml_type == GGMLQuantizationType.Q6_K else [0, 2]  # d (and dmin)
+    for offset in d_at:
+        raw[..., offset:offset + 2] = np.array([0.01], np.float16).view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    x = torch.full((rows, depth), 3.0 * sign)
+    x[rows // 2:] *= -1
+    y = quant.linear(x, torch.from_numpy(raw), ggml_type, depth, isa=isa)
+    check_product(y, x, raw, ggml_type)
+
+
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: GGMLQuantizationType(t).name)
 @settings(max_examples=5, deadline=None)
 @given(seed=SEEDS)
