@@ -354,39 +354,21 @@ ALWAYS void q45_k_pair(const uint8_t *qs, __m256i *high, int j, uint32_t sc4_lo,
     *isum = _mm256_add_epi32(*isum, _mm256_add_epi32(plo, phi));
 }
 
-/* Sub-blocks 4g..4g + 3 (`scales4`: their scales, a byte each) of a Q4_K or Q5_K block against the mr rows of x
- * (shuffled by words_4x4), into isum: the four products summed in s16 (at most 4 x 2 x 31 x 127, no overflow)
- * meet their scales in one madd */
-ALWAYS void q45_k_quad(const uint8_t *qs, __m256i *high, int g, uint32_t scales4, const int8_t *xq, int64_t K,
-                       const int mr, const int five, __m256i *isum) {
-    __m256i v[4];
-    q45_k_values(qs, high, 2 * g, five, &v[0], &v[1]);
-    q45_k_values(qs, high, 2 * g + 1, five, &v[2], &v[3]);
-    words_4x4(v);
-    const __m256i scales = _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128((int)scales4)));
-    for (int r = 0; r < mr; r++) {
-        const __m256i *x = (const __m256i *)(xq + r * K + 128 * g);
-        const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], _mm256_loadu_si256(x)),
-                                             _mm256_maddubs_epi16(v[1], _mm256_loadu_si256(x + 1)));
-        const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(v[2], _mm256_loadu_si256(x + 2)),
-                                             _mm256_maddubs_epi16(v[3], _mm256_loadu_si256(x + 3)));
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_add_epi16(s01, s23), scales));
-    }
-}
-
-/* Q4_K and Q5_K: sub-blocks of 32 with 6-bit scales and mins; x's d * sum of each 32 carries the mins */
+/* Q4_K and Q5_K: sub-blocks of 32 with 6-bit scales and mins; x's d * sum of each 32 carries the mins. One row
+ * of x in the file's order, sub-block by sub-block; more (shuffled by words_4x4) against the whole block at
+ * once, its values unpacked into eight registers first: each row's four products of a register's 128 values
+ * summed in s16 (at most 4 x 2 x 31 x 127, no overflow), then one madd of their scales */
 ALWAYS void rows_q45_k(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy,
                        const int five) {
     const int64_t K = a->K, nb = K / 256, size = five ? sizeof(block_q5_K) : sizeof(block_q4_K);
-    __m256 acc[MR], acc_min[MR];
-    for (int r = 0; r < mr; r++) acc[r] = acc_min[r] = _mm256_setzero_ps();
+    __m256 acc[MR];
+    for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * size;
         const uint8_t *qs = blk + (five ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs));
         const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(load32(blk)));  /* d, dmin */
         const __m256 d = _mm256_broadcastss_ps(dd);
-        /* the scales unpacked by the integer units and broadcast by loads from `splat`: the vector shuffle
-         * units are the unpacking's bottleneck */
+        /* the scales unpacked by the integer units: the vector shuffle units are the unpacking's bottleneck */
         uint32_t u[4];
         k_scales(blk + 4, u);
         /* dmin * each min, against x's d * sum of each 32 */
@@ -395,21 +377,37 @@ ALWAYS void rows_q45_k(const uint8_t *w, const acts *a, int64_t m0, const int mr
         __m256i high = five ? _mm256_loadu_si256((const __m256i *)(blk + offsetof(block_q5_K, qh)))
                             : _mm256_setzero_si256();
         const int8_t *xq = a->q + m0 * K + 256 * b;
-        __m256i isum[MR];
-        for (int r = 0; r < mr; r++) isum[r] = _mm256_setzero_si256();
-        if (mr == 1)
-            for (int j = 0; j < 4; j++) q45_k_pair(qs, &high, j, u[0] << 2, u[1] << 2, xq, five, isum);
-        else {
-            #pragma GCC unroll 1  /* unrolled, gcc spills the products of both to the stack */
-            for (int g = 0; g < 2; g++) q45_k_quad(qs, &high, g, u[g], xq, K, mr, five, isum);
+        if (mr == 1) {
+            __m256i isum = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) q45_k_pair(qs, &high, j, u[0] << 2, u[1] << 2, xq, five, &isum);
+            acc[0] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum)), _mm256_broadcast_ss(a->d + m0 * nb + b),
+                                     acc[0]);
+            acc[0] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(a->ds + (m0 * nb + b) * 8), acc[0]);
+            continue;
         }
+        __m256i v[8];
+        for (int j = 0; j < 4; j++) q45_k_values(qs, &high, j, five, &v[2 * j], &v[2 * j + 1]);
+        words_4x4(v);
+        words_4x4(v + 4);
+        const __m256i scales[2] = {_mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128((int)u[0]))),
+                                   _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128((int)u[1])))};
         for (int r = 0; r < mr; r++) {
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[r])),
-                                     _mm256_broadcast_ss(a->d + (m0 + r) * nb + b), acc[r]);
-            acc_min[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(a->ds + ((m0 + r) * nb + b) * 8), acc_min[r]);
+            const __m256i *x = (const __m256i *)(xq + r * K);
+            __m256i isum = _mm256_setzero_si256();
+            for (int g = 0; g < 2; g++) {
+                const __m256i *xg = x + 4 * g, *vg = v + 4 * g;
+                const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(vg[0], _mm256_loadu_si256(xg)),
+                                                     _mm256_maddubs_epi16(vg[1], _mm256_loadu_si256(xg + 1)));
+                const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(vg[2], _mm256_loadu_si256(xg + 2)),
+                                                     _mm256_maddubs_epi16(vg[3], _mm256_loadu_si256(xg + 3)));
+                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_add_epi16(s01, s23), scales[g]));
+            }
+            const int64_t i = (m0 + r) * nb + b;
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum)), _mm256_broadcast_ss(a->d + i), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(a->ds + i * 8), acc[r]);
         }
     }
-    for (int r = 0; r < mr; r++) y[r * ldy] = sum8(_mm256_sub_ps(acc[r], acc_min[r]));
+    for (int r = 0; r < mr; r++) y[r * ldy] = sum8(acc[r]);
 }
 
 ALWAYS void rows_q4_k(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
@@ -420,74 +418,76 @@ ALWAYS void rows_q5_k(const uint8_t *w, const acts *a, int64_t m0, const int mr,
     rows_q45_k(w, a, m0, mr, y, ldy, 1);
 }
 
-/* Q6_K: sub-blocks of 16 with int8 scales; values 0..63 less 32, the 32 carried by the x sums of 16 */
+/* Half h of a Q6_K block as its 4 groups of 32 values: the low or high nibbles of ql, bits 2g, 2g + 1 of qh on
+ * top */
+ALWAYS void q6_k_values(const block_q6_K *blk, int h, __m256i q[4]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i qa = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h));
+    const __m256i qb = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h + 32));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk->qh + 32 * h));
+    q[0] = _mm256_or_si256(_mm256_and_si256(qa, low4), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x03)), 4));
+    q[1] = _mm256_or_si256(_mm256_and_si256(qb, low4), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C)), 2));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), low4), _mm256_and_si256(qh, _mm256_set1_epi8(0x30)));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
+                           _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8((char)0xC0)), 2));
+}
+
+/* Q6_K: sub-blocks of 16 with int8 scales; values 0..63 less 32, the 32 carried by the x sums of 16. One row of
+ * x in the file's order, group by group; more (shuffled by words_2x2) against the whole block at once, its
+ * values unpacked into eight registers first: each row's products of groups 2P and 2P + 1 summed in s16 (at
+ * most 2 x 2 x 63 x 127), then one madd of their scales, which take in the low 128 bits scales 4P and 4P + 2 of
+ * the half word by word, in the high, 4P + 1 and 4P + 3 */
 ALWAYS void rows_q6_k(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
     const int64_t K = a->K, nb = K / 256;
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
     __m256 acc[MR];
     for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const block_q6_K *blk = (const block_q6_K *)(w + b * sizeof(block_q6_K));
         const float d = half_at(w + b * sizeof(block_q6_K) + offsetof(block_q6_K, d));
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)blk->scales));
-        __m256i isum[MR];
-        for (int r = 0; r < mr; r++) {
-            const int16_t *sums = a->sums16 + ((m0 + r) * nb + b) * 16;
-            const __m256i offsets = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)sums));
-            isum[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offsets, 5));
-        }
         /* each half's 8 scales in both halves of a register, for in-lane shuffles to broadcast */
         const __m256i halves[2] = {_mm256_permute4x64_epi64(sc16, 0x44), _mm256_permute4x64_epi64(sc16, 0xEE)};
-        for (int h = 0; h < 2; h++) {
-            const __m256i qa = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h));
-            const __m256i qb = _mm256_loadu_si256((const __m256i *)(blk->ql + 64 * h + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk->qh + 32 * h));
-            /* the 4 groups of 32 of this half: low or high nibbles of ql, bits 2g, 2g + 1 of qh on top */
-            __m256i q[4], s[4];
-            q[0] = _mm256_or_si256(_mm256_and_si256(qa, low4),
-                                   _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x03)), 4));
-            q[1] = _mm256_or_si256(_mm256_and_si256(qb, low4),
-                                   _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C)), 2));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), low4),
-                                   _mm256_and_si256(qh, _mm256_set1_epi8(0x30)));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), low4),
-                                   _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8((char)0xC0)), 2));
-            if (mr == 1) {
+        __m256i q[8], s[4];
+        if (mr == 1) {
+            const int8_t *xq = a->q + m0 * K + 256 * b;
+            /* the offset, 32 x each scale x its 16 values of x, taken off */
+            __m256i isum = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(
+                _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(a->sums16 + (m0 * nb + b) * 16))), 5));
+            for (int h = 0; h < 2; h++) {
+                q6_k_values(blk, h, q);
                 for (int g = 0; g < 4; g++) {  /* scales 2g, 2g + 1 of the half: one over each 8 lanes */
                     const __m128i lo = _mm_set1_epi16((short)(0x0100 + 0x0404 * g));
                     s[g] = _mm256_shuffle_epi8(halves[h], _mm256_set_m128i(_mm_add_epi8(lo, _mm_set1_epi8(2)), lo));
                 }
-                const int8_t *xq = a->q + m0 * K + 256 * b + 128 * h;
                 __m256i p[4];
                 for (int g = 0; g < 4; g++)
                     p[g] = _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(q[g], _mm256_loadu_si256((const __m256i *)(xq + 32 * g))), s[g]);
-                isum[0] = _mm256_add_epi32(isum[0], _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]),
-                                                                      _mm256_add_epi32(p[2], p[3])));
-                continue;
+                        _mm256_maddubs_epi16(q[g], _mm256_loadu_si256((const __m256i *)(xq + 128 * h + 32 * g))), s[g]);
+                isum = _mm256_add_epi32(isum, _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3])));
             }
-            /* groups 2P and 2P + 1 through words_2x2, as x's rows are: their products summed in s16 (at most
-             * 2 x 2 x 63 x 127) meet, in the low 128 bits, scales 4P and 4P + 2 of the half word by word, in
-             * the high, 4P + 1 and 4P + 3 */
-            words_2x2(q);
-            words_2x2(q + 2);
+            acc[0] = _mm256_fmadd_ps(_mm256_set1_ps(d * a->d[m0 * nb + b]), _mm256_cvtepi32_ps(isum), acc[0]);
+            continue;
+        }
+        for (int h = 0; h < 2; h++) {
+            q6_k_values(blk, h, q + 4 * h);
+            words_2x2(q + 4 * h);
+            words_2x2(q + 4 * h + 2);
             for (int P = 0; P < 2; P++) {
                 const __m128i lo = _mm_set1_epi32(0x05040100 + 0x08080808 * P);
-                s[P] = _mm256_shuffle_epi8(halves[h], _mm256_set_m128i(_mm_add_epi8(lo, _mm_set1_epi8(2)), lo));
-            }
-            for (int r = 0; r < mr; r++) {
-                const __m256i *x = (const __m256i *)(a->q + (m0 + r) * K + 256 * b + 128 * h);
-                __m256i p[2];
-                for (int P = 0; P < 2; P++)
-                    p[P] = _mm256_madd_epi16(
-                        _mm256_add_epi16(_mm256_maddubs_epi16(q[2 * P], _mm256_loadu_si256(x + 2 * P)),
-                                         _mm256_maddubs_epi16(q[2 * P + 1], _mm256_loadu_si256(x + 2 * P + 1))),
-                        s[P]);
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(p[0], p[1]));
+                s[2 * h + P] = _mm256_shuffle_epi8(halves[h], _mm256_set_m128i(_mm_add_epi8(lo, _mm_set1_epi8(2)), lo));
             }
         }
-        for (int r = 0; r < mr; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a->d[(m0 + r) * nb + b]), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+        for (int r = 0; r < mr; r++) {
+            const __m256i *x = (const __m256i *)(a->q + (m0 + r) * K + 256 * b);
+            const int64_t i = (m0 + r) * nb + b;
+            /* minus the sum: the offset (32 x each scale x its 16 values of x) less each product */
+            __m256i minus = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(a->sums16 + i * 16))), 5);
+            for (int P = 0; P < 4; P++)
+                minus = _mm256_sub_epi32(minus, _mm256_madd_epi16(
+                    _mm256_add_epi16(_mm256_maddubs_epi16(q[2 * P], _mm256_loadu_si256(x + 2 * P)),
+                                     _mm256_maddubs_epi16(q[2 * P + 1], _mm256_loadu_si256(x + 2 * P + 1))), s[P]));
+            acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(d * a->d[i]), _mm256_cvtepi32_ps(minus), acc[r]);
+        }
     }
     for (int r = 0; r < mr; r++) y[r * ldy] = sum8(acc[r]);
 }
