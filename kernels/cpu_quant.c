@@ -266,6 +266,9 @@ ALWAYS void words_2x2(__m256i v[2]) {
     v[0] = lo;
 }
 
+/* Row m of x multiplied alone: the last of M where M is one more than a multiple of MR */
+static int alone(int64_t m, int64_t M) { return M - m / MR * MR == 1; }
+
 /* x's row as the many-row K-quant kernels read it: each 128 bytes through words_4x4 (Q4_K, Q5_K) or each 64
  * through words_2x2 (Q6_K) */
 static void shuffle_for_k(int8_t *q, int64_t K, int type) {
@@ -279,9 +282,6 @@ static void shuffle_for_k(int8_t *q, int64_t K, int type) {
     }
 }
 #endif
-
-/* Row m of x multiplied alone: the last of M where M is one more than a multiple of MR */
-static int alone(int64_t m, int64_t M) { return M - m / MR * MR == 1; }
 
 static void quantize_acts(const void *x, int kind, int64_t m, const acts *a, int type) {
     const int64_t K = a->K;
@@ -756,8 +756,10 @@ static int acts_alloc(acts *a, int64_t M, int64_t K, int type) {
     const int qb = block_values(type);
     a->M = M;
     a->K = K;
-    a->q = malloc(M * K + sizeof(float) * (M * K / qb + M * K / 32) + sizeof(int16_t) * (M * K / 16));
-    if (a->q == NULL) return 1;
+    void *bytes;  /* on a cache line, as x's rows then are (K a multiple of 32): a load of 32 never straddles two */
+    if (posix_memalign(&bytes, 64, M * K + sizeof(float) * (M * K / qb + M * K / 32) + sizeof(int16_t) * (M * K / 16)))
+        return 1;
+    a->q = bytes;
     a->d = (float *)(a->q + M * K);
     a->ds = a->d + M * K / qb;
     a->sums16 = (int16_t *)(a->ds + M * K / 32);

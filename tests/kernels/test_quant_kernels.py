@@ -58,11 +58,11 @@ def check_product(y: torch.Tensor, x: torch.Tensor, raw: np.ndarray, ggml_type: 
 @st.composite
 def problems(draw, ggml_type: int) -> tuple[int, int, int, int]:
     """(M, N, K, seed): M from one row (a chat's decode) up; N across tile and thread boundaries; K in
-    whole blocks"""
+    whole blocks, past the 2,048 values that the K-quants take of a row at a time"""
     block = GGML_QUANT_SIZES[ggml_type][0]
     rows = draw(st.one_of(st.just(1), st.integers(1, 40)))
     width = draw(st.integers(1, 90))
-    depth = block * draw(st.integers(1, 2048 // block))
+    depth = block * draw(st.integers(1, 5120 // block))
     return rows, width, depth, draw(SEEDS)
 
 
