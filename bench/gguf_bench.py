@@ -17,7 +17,7 @@ import argparse
 import time
 from pathlib import Path
 
-from bench import models, peer_bench, peers
+from bench import gguf_logits, models, peer_bench, peers
 from bench.common import Section, Table, cpu_description, load_average
 
 KV_TOKENS = 4096
@@ -63,7 +63,9 @@ def run(shape: str, file_type: str, threads: int, rounds: int, alternations: int
         runs["pagedchat"].append(peer_bench.run_pagedchat(job))
         peer_bench.wait_until_quiet()
         runs["llama.cpp"].append(peer_bench.run_llama(job, gguf=path))
-    return {"path": path, "runs": runs, "disk_mb": (cache_bytes() - before) / 1e6}
+    disk_mb = (cache_bytes() - before) / 1e6
+    peer_bench.wait_until_quiet()
+    return {"path": path, "runs": runs, "disk_mb": disk_mb, "logits": gguf_logits.measure(path, threads)}
 
 
 def best(results: list[dict], workload: str) -> float | None:
@@ -108,8 +110,10 @@ def section(args, measured: dict, seconds: float) -> Section:
              "one chat: decode tokens/s of a 128-token reply; 16 chats: generated tokens per wall second, 16 x 64; "
              "best of the rounds and alternations. Load: process start to ready, the file in the page cache."]
     notes += errors
-    return Section("GGUF models: pagedchat against llama.cpp on the same file (issue 31)", settings, [table], notes,
-                   seconds)
+    notes.append("Logits: " + gguf_logits.__doc__.split("\n\n")[2].replace("\n", " "))
+    logits = gguf_logits.table({key: (m["path"], m["logits"]) for key, m in measured.items()})
+    return Section("GGUF models: pagedchat against llama.cpp on the same file (issue 31)", settings, [table, logits],
+                   notes, seconds)
 
 
 def main(argv: list[str] | None = None) -> None:
