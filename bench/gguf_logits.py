@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench import models, peers
+from bench import models, peer_bench, peers
 from bench.common import Section, Table, cpu_description, load_average
 
 TOP = 40
@@ -70,12 +70,7 @@ def llama_top(path: Path, ids: list[int], threads: int, port: int = 18392) -> li
                                "--no-webui"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(1200):  # up to two minutes to load
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
+        peer_bench.wait_for_llama(url, tries=1200)  # up to two minutes to load
         tops = []
         for end in range(1, len(ids) + 1):  # each prefix extends the last: the slot's prompt cache keeps its KV
             body = json.dumps({"prompt": ids[:end], "n_predict": 1, "n_probs": TOP, "temperature": 0,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench import peers
+from bench import peer_bench, peers
 from bench.common import Section, Table, header
 from bench.peer_bench import write_into_results
 from bench.throughput import QUESTIONS
@@ -125,12 +125,7 @@ def llama_greedy(prompts: list[list[int]], new_tokens: int, cache: str, port: in
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
+        peer_bench.wait_for_llama(url)
         out: list[list[int]] = [[] for _ in prompts]
 
         def complete(i: int) -> None:

@@ -119,6 +119,16 @@ def run_vllm(job: dict) -> dict:
     return run_worker([str(peers.vllm_python()), str(HERE / "peer_vllm.py")], job, env, cwd=tempfile.gettempdir())
 
 
+def wait_for_llama(url: str, tries: int = 600) -> None:
+    """Until llama-server at url answers /health, a tenth of a second between tries."""
+    for _ in range(tries):
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
 def run_llama(job: dict, port: int = 18391, gguf: Path | None = None) -> dict:
     """llama-server with one slot per chat of the biggest workload, driven over HTTP on 127.0.0.1, on `gguf`
     (default: the default model's GGUF of the job's dtype)."""
@@ -133,12 +143,7 @@ def run_llama(job: dict, port: int = 18391, gguf: Path | None = None) -> dict:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):  # up to a minute to load
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
+        wait_for_llama(url)  # up to a minute to load
 
         def complete(prompt: list[int], n: int, out: list, i: int) -> None:
             body = json.dumps({"prompt": prompt, "n_predict": n, "ignore_eos": True, "temperature": 0,
