@@ -5,7 +5,8 @@
 The tokens: a chat prompt and a written answer (186 tokens, the default model's tokenizer). pagedchat gives
 the logits of every position in one prefill; llama-server (its build from `python -m bench.peers setup`)
 gives, position by position with its prompt cache, the log-probabilities of its 40 most likely tokens at each
-(its API returns no more). At each position: top-1 agreement (pagedchat's greedy token is llama.cpp's), the
+(its API returns no more; none where its pick is part of a UTF-8 character, which it holds back: those
+positions are left out). At each position: top-1 agreement (pagedchat's greedy token is llama.cpp's), the
 cosine of the two engines' log-probabilities over llama.cpp's 40 tokens (each centred: logits are
 log-probabilities up to a constant), and the gap between them on llama.cpp's first token. Both engines
 quantize activations to 8 bits per block (llama.cpp's Q8_0 / Q8_K pairing): they differ in rounding (the
@@ -63,8 +64,9 @@ def pagedchat_log_probs(path: Path, ids: list[int], threads: int) -> torch.Tenso
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def llama_top(path: Path, ids: list[int], threads: int, port: int = 18392) -> list[list[tuple[int, float]]]:
-    """At each position of ids, llama-server's TOP (token, log-probability) for the next token."""
+def llama_top(path: Path, ids: list[int], threads: int, port: int = 18392) -> list[list[tuple[int, float]] | None]:
+    """At each position of ids, llama-server's TOP (token, log-probability) for the next token; None where it
+    withholds them (its pick there is part of a UTF-8 character, which it keeps back with its probabilities)"""
     server = subprocess.Popen([str(peers.llama_binary("llama-server")), "-m", str(path), "-t", str(threads), "-c",
                                str(len(ids) + 16), "-np", "1", "--host", "127.0.0.1", "--port", str(port),
                                "--no-webui"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -73,21 +75,24 @@ def llama_top(path: Path, ids: list[int], threads: int, port: int = 18392) -> li
         peer_bench.wait_for_llama(url, tries=1200)  # up to two minutes to load
         tops = []
         for end in range(1, len(ids) + 1):  # each prefix extends the last: the slot's prompt cache keeps its KV
+            # ignore_eos: where the likeliest token ends a turn, it still comes back with its probabilities
             body = json.dumps({"prompt": ids[:end], "n_predict": 1, "n_probs": TOP, "temperature": 0,
-                               "cache_prompt": True}).encode()
+                               "ignore_eos": True, "cache_prompt": True}).encode()
             request = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=600) as response:
-                top = json.load(response)["completion_probabilities"][0]["top_logprobs"]
-            tops.append([(t["id"], t["logprob"]) for t in top])
+                answer = json.load(response).get("completion_probabilities")
+            tops.append([(t["id"], t["logprob"]) for t in answer[0]["top_logprobs"]] if answer else None)
         return tops
     finally:
         server.terminate()
         server.wait(timeout=30)
 
 
-def compare(ours: torch.Tensor, theirs: list[list[tuple[int, float]]]) -> dict[str, float]:
+def compare(ours: torch.Tensor, theirs: list[list[tuple[int, float]] | None]) -> dict[str, float]:
     agree, cosines, gaps = [], [], []
     for position, top in enumerate(theirs):
+        if top is None:
+            continue
         ids = torch.tensor([token for token, _ in top])
         want = torch.tensor([value for _, value in top], dtype=torch.float64)
         got = ours[position, ids].double()
@@ -95,7 +100,7 @@ def compare(ours: torch.Tensor, theirs: list[list[tuple[int, float]]]) -> dict[s
         a, b = got - got.mean(), want - want.mean()
         cosines.append(float(a @ b / (a.norm() * b.norm()).clamp(min=1e-30)))
         gaps.append(abs(float(got[0] - want[0])))
-    return {"positions": len(theirs), "top1": float(np.mean(agree)), "cosine_mean": float(np.mean(cosines)),
+    return {"positions": len(agree), "top1": float(np.mean(agree)), "cosine_mean": float(np.mean(cosines)),
             "cosine_min": float(np.min(cosines)), "gap_mean": float(np.mean(gaps)), "gap_max": float(np.max(gaps))}
 
 
