@@ -49,7 +49,7 @@ def test_the_pagedchat_worker_imports_no_peer_model_code():
     harness nor transformers' model code (~100 MB resident) into it."""
     code = ("import sys; import bench.peer_bench; "
             "print(sorted(m for m in sys.modules if m in ('bench.hf_peers', 'transformers.modeling_utils')))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300,
                           cwd=Path(peer_bench.__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
