@@ -273,10 +273,24 @@ def test_sibling_products_are_not_concatenated(tiny_gguf):
     layer = llm.engine.runner.lean.layers[0]
     assert isinstance(layer.qkv, ColumnProduct) and len(layer.qkv.parts) == 3
     assert isinstance(layer.gate_up, ColumnProduct) and len(layer.gate_up.parts) == 2
-    assert llm.engine.runner.kv_caches[0][0].dtype == torch.float32
     # all but the attention in two C calls where every matrix is quantized; the last layer has an F16 and a
     # dequantized matrix, and runs product by product (the logits' tests above cover both)
     assert isinstance(layer.quantized, QuantizedLayer) and llm.engine.runner.lean.layers[-1].quantized is None
+
+
+def test_the_kv_cache_is_fp16_as_llama_cpps(tiny_gguf):
+    """A GGUF run in place computes in fp32 but caches K/V in fp16 (llama.cpp's cache type), so the same tokens
+    take half an fp32 cache's bytes. The logits' and greedy tests above run on this cache (a prompt attends over
+    its K/V as the cache rounds them)."""
+    llm = make_llm(tiny_gguf)
+    runner = llm.engine.runner
+    assert all(cache.dtype == torch.float16 for layer in runner.kv_caches for cache in layer)
+    head_dim = runner.layout.head_dim
+    assert llm.config.bytes_per_block == 2 * LAYERS * 16 * KV_HEADS * head_dim * 2
+    assert llm.config.pool_bytes == 32 * llm.config.bytes_per_block
+    assert runner.lean.dtype == torch.float32
+    fp32 = LLM(model=str(tiny_gguf), dtype="float32", device="cpu", num_kv_blocks=32, kv_cache_dtype="float32")
+    assert fp32.config.bytes_per_block == 2 * llm.config.bytes_per_block
 
 
 def test_the_header_is_read_as_gguf_reads_it(tiny_gguf):
