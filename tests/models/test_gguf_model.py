@@ -317,3 +317,29 @@ def test_a_gguf_runs_without_transformers_model_code(tiny_gguf):
                           cwd=tiny_gguf.parent)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("tiny_gguf", [("llama", 0), ("qwen3", 3)], indirect=True, ids=["llama", "qwen3"])
+def test_a_second_start_imports_no_config_class_of_the_family(tiny_gguf):
+    """Once a GGUF's config and tokenizer are cached, starting on it imports neither the family's config class nor
+    what that brings along (transformers' model-loading code: torch.distributed's tensors, sympy; ~55 MB
+    resident), and the config still says what the family's class said."""
+    from transformers import AutoConfig
+
+    folder = gguf_loading.metadata_folder(tiny_gguf, gguf_loading.read_header(tiny_gguf))  # the first start's
+    unwanted = ["sympy", "torch.distributed.tensor",
+                *(f"transformers.models.{family}.configuration_{family}" for family in ("llama", "qwen2", "qwen3"))]
+    code = (f"import sys; from pagedchat import LLM; LLM(model={str(tiny_gguf)!r}, device='cpu', num_kv_blocks=32)"
+            f".generate([[5, 6, 7]]); print([m for m in {unwanted!r} if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300,
+                          cwd=tiny_gguf.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    family = AutoConfig.from_pretrained(folder)
+    config = loader.check_model(tiny_gguf)
+    assert config.model_type == family.model_type
+    for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
+                 "vocab_size", "tie_word_embeddings", "eos_token_id", "bos_token_id", "sliding_window",
+                 "layer_types", "attention_bias"):
+        assert getattr(config, name, None) == getattr(family, name, None), name

@@ -171,15 +171,19 @@ def cache_dir(path: Path) -> Path:
 
 
 def read_config(path: Path, header: Header) -> PretrainedConfig:
-    from transformers import AutoConfig
+    """The fields the family's config class saved (`metadata_folder`), held by transformers' base config class:
+    the family's own (LlamaConfig, ...) would import transformers' model-loading code with it (torch.distributed,
+    sympy: ~55 MB resident) into a process that runs none of it."""
+    from transformers import PretrainedConfig
 
-    return AutoConfig.from_pretrained(metadata_folder(path, header))
+    return PretrainedConfig.from_json_file(metadata_folder(path, header) / "config.json")
 
 
-def load_tokenizer(path: Path, header: Header) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: Path, header: Header, config: PretrainedConfig) -> PreTrainedTokenizerBase:
+    """The file's tokenizer; given `config` (`read_config`), AutoTokenizer does not load the family's config."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(metadata_folder(path, header))
+    return AutoTokenizer.from_pretrained(metadata_folder(path, header), config=config)
 
 
 def metadata_folder(path: Path, header: Header) -> Path:
@@ -327,7 +331,7 @@ def open_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Gg
 
     header = read_header(path)
     config = read_config(path, header)
-    tokenizer = load_tokenizer(path, header)
+    tokenizer = load_tokenizer(path, header, config)
     generation = GenerationConfig.from_model_config(config)
     eos = {config.eos_token_id} - {None}
     # a chat model's turn may end on another token than its eos (Llama 3's <|eot_id|>)
