@@ -306,9 +306,9 @@ def runs_in_place(device: torch.device) -> bool:
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype of a GGUF model's activations and KV cache when `dtype` is asked for: fp32 where it runs in
-    place, since its activations are a few rows of the hidden size, its KV cache small beside a real model's
-    weights, and the kernels' products come out in fp32, which a half-precision stream would round once more."""
+    """The dtype of a GGUF model's activations when `dtype` is asked for: fp32 where it runs in place, since its
+    activations are a few rows of the hidden size and the kernels' products come out in fp32, which a
+    half-precision stream would round once more. Its KV cache: `kv_cache_dtype`."""
     return torch.float32 if runs_in_place(device) else dtype
 
 
