@@ -25,7 +25,6 @@ from pathlib import Path
 
 from bench import peer_timing, peers
 from bench.common import Section, Table, cpu_description, load_average, random_requests
-from bench.throughput import MIX_SIZES, QUESTIONS
 from pagedchat.engine.runtime.threads import ThreadPolicy
 
 HERE = Path(__file__).resolve().parent
@@ -38,6 +37,10 @@ MARK_BEGIN, MARK_END = "<!-- peers: begin -->", "<!-- peers: end -->"
 
 
 def make_job(tokenizer, vocab: int, model_path: Path, dtype: str, threads: int | None, rounds: int) -> dict:
+    # imported here, in the parent: bench.throughput brings transformers' model code (its HF peers), which would
+    # count in the peak RSS of a pagedchat worker that never runs it (~100 MB on the 1B GGUFs)
+    from bench.throughput import MIX_SIZES, QUESTIONS
+
     def chat(question: str) -> list[int]:
         return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                              tokenize=True, return_dict=False)

@@ -20,8 +20,9 @@ if TYPE_CHECKING:
     from pagedchat.engine.llm_engine import EngineConfig
 
 DEFAULT_NUM_KV_BLOCKS = 512
-# vLLM's `kv_cache_dtype` values taken here: auto is the dtype the model computes in (bf16, or fp32 for a GGUF
-# run in place); int8 and fp8 (e4m3) are 8-bit caches with a scale per slot and head (kernels/kv_quant.py)
+# vLLM's `kv_cache_dtype` values taken here: auto is the dtype the model computes in (bf16), or fp16 for a GGUF
+# run in place (llama.cpp's cache type: gguf.kv_cache_dtype); int8 and fp8 (e4m3) are 8-bit caches with a scale
+# per slot and head (kernels/kv_quant.py)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8")
 # Memory left over for everything else once a pool the user sized and the weights are in: activations, the
 # tokenizer, the app, torch's own allocations and the rest of the machine.
@@ -84,10 +85,11 @@ class EngineArgs:
             raise ConfigError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r} (--kv-cache-dtype): choose one of "
                               f"{', '.join(KV_CACHE_DTYPES)}")
         path = loader.resolve_model(self.model, progress=progress)
-        if loader.is_gguf(path):  # a GGUF's activations and KV cache are in the dtype it computes in
-            dtype = gguf.compute_dtype(dtype, device)
+        auto_cache_dtype = dtype
+        if loader.is_gguf(path):  # a GGUF's activations are in the dtype it computes in, its KV cache in its own
+            dtype, auto_cache_dtype = gguf.compute_dtype(dtype, device), gguf.kv_cache_dtype(dtype, device)
         model_config = loader.check_model(path, self.max_model_len)
-        cache_dtype = dtype if self.kv_cache_dtype == "auto" else kv_quant.CACHE_DTYPES[self.kv_cache_dtype]
+        cache_dtype = auto_cache_dtype if self.kv_cache_dtype == "auto" else kv_quant.CACHE_DTYPES[self.kv_cache_dtype]
         bytes_per_block = KVLayout.of(model_config).bytes_per_block(self.block_size, cache_dtype)
         num_blocks = self._pool_blocks(bytes_per_block)
         weights_bytes = loader.weights_bytes(path, dtype)

@@ -20,10 +20,11 @@ _PLAIN = ("F32", "F16", "BF16")
 
 def gguf_memory(path: Path, block_size: int, num_blocks: int) -> str:
     """What a GGUF holds once loaded here, from its header alone, e.g. 'Q4_1/Q8_0 GGUF, 97 MB mapped, beside a KV
-    pool of 377 MB: 512 blocks of 16 tokens in fp32'."""
+    pool of 189 MB: 512 blocks of 16 tokens in fp16'."""
     header = gguf.read_header(path)
     device = loader.resolve_device("auto")
-    dtype = gguf.compute_dtype(loader.resolve_dtype("auto", device), device)
+    asked = loader.resolve_dtype("auto", device)
+    dtype, cache_dtype = gguf.compute_dtype(asked, device), gguf.kv_cache_dtype(asked, device)
     sizes: dict[str, int] = {}
     for info in header.tensors.values():
         if len(info.shape) == 2:
@@ -37,8 +38,9 @@ def gguf_memory(path: Path, block_size: int, num_blocks: int) -> str:
     else:
         values = sum(math.prod(info.shape) for info in header.tensors.values())
         weights += f", dequantized to {_mb(values * dtype.itemsize)} of {_DTYPE_NAMES[dtype]} at load"
-    return (f"{weights}, beside a KV pool of {_mb(num_blocks * block_size * _kv_bytes_per_token(header, dtype))}: "
-            f"{num_blocks} blocks of {block_size} tokens in {_DTYPE_NAMES[dtype]}")
+    pool = num_blocks * block_size * _kv_bytes_per_token(header, cache_dtype)
+    return (f"{weights}, beside a KV pool of {_mb(pool)}: {num_blocks} blocks of {block_size} tokens in "
+            f"{_DTYPE_NAMES[cache_dtype]}")
 
 
 def kernels_here() -> str:

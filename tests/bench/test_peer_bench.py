@@ -1,5 +1,9 @@
 """The peer benchmark's timing and report plumbing (the peers themselves are built by bench.peers)."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 from bench import peer_bench, peer_timing
 
 
@@ -38,3 +42,14 @@ def test_the_section_replaces_its_own_place_in_results(tmp_path):
     text = results.read_text()
     assert text.count(peer_bench.MARK_BEGIN) == 1 and "second" in text and "first" not in text
     assert text.endswith("# suite\n\nold tables\n")
+
+
+def test_the_pagedchat_worker_imports_no_peer_model_code():
+    """The worker's peak RSS is pagedchat's: importing the module it runs from brings neither the HF peers'
+    harness nor transformers' model code (~100 MB resident) into it."""
+    code = ("import sys; import bench.peer_bench; "
+            "print(sorted(m for m in sys.modules if m in ('bench.hf_peers', 'transformers.modeling_utils')))")
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300,
+                          cwd=Path(peer_bench.__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

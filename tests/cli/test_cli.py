@@ -240,7 +240,8 @@ def test_help_says_what_the_default_model_holds_in_memory(no_weights_load):
     mapped = sum(int(tensor.n_bytes) for tensor in reader.tensors)
     resolved = engine_config.EngineArgs().resolve(progress=False)
     assert resolved.weights_bytes == mapped  # every type runs in place: no copies
-    dtype = {4: "fp32", 2: "bf16"}[resolved.dtype.itemsize]
+    cache_dtype = str(resolved.engine.kv_cache_dtype).removeprefix("torch.")
+    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[cache_dtype]
     says = (f"(default: SmolLM2-135M-Instruct: {'/'.join(sorted(sizes, key=sizes.get, reverse=True))} GGUF, "
             f"{mapped / 1e6:.0f} MB mapped, beside a KV pool of {resolved.pool_bytes / 1e6:,.0f} MB: "
             f"{DEFAULT_NUM_KV_BLOCKS} blocks of 16 tokens in {dtype})")

@@ -22,8 +22,8 @@ def resolve(kv_cache_dtype: str, **kwargs):
 
 def test_an_8_bit_pool_holds_at_least_1_85x_the_bf16_blocks_in_the_same_memory():
     """The default model (30 layers, 3 KV heads of 64): a bf16 row is 128 bytes, an 8-bit one 64 + a 4-byte
-    scale; its GGUF computes in fp32, which `auto` caches in."""
-    rows = {"bfloat16": 128, "float32": 256, "int8": 68, "fp8": 68, "auto": 256}
+    scale; its GGUF computes in fp32, and `auto` caches it in fp16, as llama.cpp does."""
+    rows = {"bfloat16": 128, "float32": 256, "int8": 68, "fp8": 68, "auto": 128}
     configs = {name: resolve(name) for name in rows}
     for name, row in rows.items():
         assert configs[name].bytes_per_block == 2 * 30 * 16 * 3 * row, name

@@ -273,10 +273,24 @@ def test_sibling_products_are_not_concatenated(tiny_gguf):
     layer = llm.engine.runner.lean.layers[0]
     assert isinstance(layer.qkv, ColumnProduct) and len(layer.qkv.parts) == 3
     assert isinstance(layer.gate_up, ColumnProduct) and len(layer.gate_up.parts) == 2
-    assert llm.engine.runner.kv_caches[0][0].dtype == torch.float32
     # all but the attention in two C calls where every matrix is quantized; the last layer has an F16 and a
     # dequantized matrix, and runs product by product (the logits' tests above cover both)
     assert isinstance(layer.quantized, QuantizedLayer) and llm.engine.runner.lean.layers[-1].quantized is None
+
+
+def test_the_kv_cache_is_fp16_as_llama_cpps(tiny_gguf):
+    """A GGUF run in place computes in fp32 but caches K/V in fp16 (llama.cpp's cache type), so the same tokens
+    take half an fp32 cache's bytes. The logits' and greedy tests above run on this cache (a prompt attends over
+    its K/V as the cache rounds them)."""
+    llm = make_llm(tiny_gguf)
+    runner = llm.engine.runner
+    assert all(cache.dtype == torch.float16 for layer in runner.kv_caches for cache in layer)
+    head_dim = runner.layout.head_dim
+    assert llm.config.bytes_per_block == 2 * LAYERS * 16 * KV_HEADS * head_dim * 2
+    assert llm.config.pool_bytes == 32 * llm.config.bytes_per_block
+    assert runner.lean.dtype == torch.float32
+    fp32 = LLM(model=str(tiny_gguf), dtype="float32", device="cpu", num_kv_blocks=32, kv_cache_dtype="float32")
+    assert fp32.config.bytes_per_block == 2 * llm.config.bytes_per_block
 
 
 def test_the_header_is_read_as_gguf_reads_it(tiny_gguf):
@@ -303,3 +317,29 @@ def test_a_gguf_runs_without_transformers_model_code(tiny_gguf):
                           cwd=tiny_gguf.parent)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("tiny_gguf", [("llama", 0), ("qwen3", 3)], indirect=True, ids=["llama", "qwen3"])
+def test_a_second_start_imports_no_config_class_of_the_family(tiny_gguf):
+    """Once a GGUF's config and tokenizer are cached, starting on it imports neither the family's config class nor
+    what that brings along (transformers' model-loading code: torch.distributed's tensors, sympy; ~55 MB
+    resident), and the config still says what the family's class said."""
+    from transformers import AutoConfig
+
+    folder = gguf_loading.metadata_folder(tiny_gguf, gguf_loading.read_header(tiny_gguf))  # the first start's
+    unwanted = ["sympy", "torch.distributed.tensor",
+                *(f"transformers.models.{family}.configuration_{family}" for family in ("llama", "qwen2", "qwen3"))]
+    code = (f"import sys; from pagedchat import LLM; LLM(model={str(tiny_gguf)!r}, device='cpu', num_kv_blocks=32)"
+            f".generate([[5, 6, 7]]); print([m for m in {unwanted!r} if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300,
+                          cwd=tiny_gguf.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    family = AutoConfig.from_pretrained(folder)
+    config = loader.check_model(tiny_gguf)
+    assert config.model_type == family.model_type
+    for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
+                 "vocab_size", "tie_word_embeddings", "eos_token_id", "bos_token_id", "sliding_window",
+                 "layer_types", "attention_bias"):
+        assert getattr(config, name, None) == getattr(family, name, None), name

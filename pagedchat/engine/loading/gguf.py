@@ -171,15 +171,19 @@ def cache_dir(path: Path) -> Path:
 
 
 def read_config(path: Path, header: Header) -> PretrainedConfig:
-    from transformers import AutoConfig
+    """The fields the family's config class saved (`metadata_folder`), held by transformers' base config class:
+    the family's own (LlamaConfig, ...) would import transformers' model-loading code with it (torch.distributed,
+    sympy: ~55 MB resident) into a process that runs none of it."""
+    from transformers import PretrainedConfig
 
-    return AutoConfig.from_pretrained(metadata_folder(path, header))
+    return PretrainedConfig.from_json_file(metadata_folder(path, header) / "config.json")
 
 
-def load_tokenizer(path: Path, header: Header) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: Path, header: Header, config: PretrainedConfig) -> PreTrainedTokenizerBase:
+    """The file's tokenizer; given `config` (`read_config`), AutoTokenizer does not load the family's config."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(metadata_folder(path, header))
+    return AutoTokenizer.from_pretrained(metadata_folder(path, header), config=config)
 
 
 def metadata_folder(path: Path, header: Header) -> Path:
@@ -302,10 +306,18 @@ def runs_in_place(device: torch.device) -> bool:
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype of a GGUF model's activations and KV cache when `dtype` is asked for: fp32 where it runs in
-    place, since its activations are a few rows of the hidden size, its KV cache small beside a real model's
-    weights, and the kernels' products come out in fp32, which a half-precision stream would round once more."""
+    """The dtype of a GGUF model's activations when `dtype` is asked for: fp32 where it runs in place, since its
+    activations are a few rows of the hidden size and the kernels' products come out in fp32, which a
+    half-precision stream would round once more. Its KV cache: `kv_cache_dtype`."""
     return torch.float32 if runs_in_place(device) else dtype
+
+
+def kv_cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of a GGUF model's KV cache when `auto` is asked for: where it runs in place, fp16, llama.cpp's
+    default cache type: half the bytes of an fp32 cache for the same tokens (a 1B model's 4,096 tokens hold
+    128 MB, not 256), and a rounding (11 bits) far finer than its products' 8-bit activations; else the dtype
+    it computes in."""
+    return torch.float16 if runs_in_place(device) else compute_dtype(dtype, device)
 
 
 def open_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[GgufModel, PreTrainedTokenizerBase]:
@@ -319,7 +331,7 @@ def open_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Gg
 
     header = read_header(path)
     config = read_config(path, header)
-    tokenizer = load_tokenizer(path, header)
+    tokenizer = load_tokenizer(path, header, config)
     generation = GenerationConfig.from_model_config(config)
     eos = {config.eos_token_id} - {None}
     # a chat model's turn may end on another token than its eos (Llama 3's <|eot_id|>)

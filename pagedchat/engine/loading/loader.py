@@ -7,6 +7,7 @@ no network for the default model) surfaces as a `ModelError` whose message is on
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import importlib.util
@@ -300,9 +301,11 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device
 
     if is_gguf(path):
         try:
-            return gguf.open_model(path, dtype, device)
+            loaded = gguf.open_model(path, dtype, device)
         except gguf.GgufError as error:
             raise ModelError(f"could not load {path}: {one_line(error)}") from error
+        release_freed_memory()
+        return loaded
 
     try:
         with _quiet_transformers():
@@ -311,4 +314,15 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device
     except Exception as error:  # a bad file shows up as OSError, SafetensorError, RuntimeError, ...
         raise ModelError(f"could not load the model in {path}: {one_line(error)}") from error
     model.to(device).eval().requires_grad_(False)
+    release_freed_memory()
     return model, tokenizer
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's `malloc_trim`). Loading parses the tokenizer's JSON
+    (and the config, the safetensors headers), and glibc keeps the pages of what it freed resident between the
+    objects that stay: ~30 MB for the default model's 49,152-token vocabulary, for the process's whole life.
+    Nothing to do where the C library has no such call (musl, macOS)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
