@@ -72,6 +72,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, depth: int, ou
 
 Matrix = tuple[torch.Tensor, int]  # (uint8 [N, row_bytes] of a GGUF tensor, its ggml_type)
 
+# A prefill's rows go to a layer's calls this many at a time: a call's scratch grows with its rows (x quantized,
+# the MLP's gate, up and hidden rows: ~200 KB a row on an 8B's MLP), and past a few hundred rows reading the
+# weights once more costs nothing beside their products.
+ROWS_PER_CALL = 256
+
 
 class AttentionInputs:
     """A layer's q, k and v from the residual stream entering it, in one call: rms_norm, the three products, the
@@ -108,9 +113,11 @@ class AttentionInputs:
         _check_rows(cos, rows, self.head_dim)
         _check_rows(sin_signed, rows, self.head_dim)
         y = torch.empty(rows, self.width, dtype=torch.float32)
-        if rows:
-            self.fn(x.data_ptr(), rows, self.depth, *self.args, cos.data_ptr(), sin_signed.data_ptr(),
-                    self.head_dim, self.interleaved, y.data_ptr(), torch.get_num_threads())
+        for start in range(0, rows, ROWS_PER_CALL):
+            end = min(start + ROWS_PER_CALL, rows)
+            self.fn(x[start].data_ptr(), end - start, self.depth, *self.args, cos[start].data_ptr(),
+                    sin_signed[start].data_ptr(), self.head_dim, self.interleaved, y[start].data_ptr(),
+                    torch.get_num_threads())
         return y
 
 
@@ -142,9 +149,9 @@ class Mlp:
         rows = residual.shape[0]
         _check_rows(residual, rows, self.hidden)
         _check_rows(attention, rows, self.attention_width)
-        if rows:
-            self.fn(residual.data_ptr(), attention.data_ptr(), rows, self.hidden, self.attention_width, *self.args,
-                    torch.get_num_threads())
+        for start in range(0, rows, ROWS_PER_CALL):
+            self.fn(residual[start].data_ptr(), attention[start].data_ptr(), min(ROWS_PER_CALL, rows - start),
+                    self.hidden, self.attention_width, *self.args, torch.get_num_threads())
         return residual
 
 

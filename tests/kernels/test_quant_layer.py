@@ -71,7 +71,7 @@ def assert_close(got: torch.Tensor, want: np.ndarray) -> None:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("types", LAYER_TYPES, ids=lambda ts: "-".join(T(t).name for t in ts))
 @settings(max_examples=4, deadline=None)
-@given(rows=st.sampled_from([1, 3, 17]), interleaved=st.booleans(), with_bias=st.booleans(),
+@given(rows=st.sampled_from([1, 3, 17, quant.ROWS_PER_CALL + 9]), interleaved=st.booleans(), with_bias=st.booleans(),
        head_norms=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_attention_inputs(isa: str, types: tuple, rows: int, interleaved: bool, with_bias: bool, head_norms: bool,
                           seed: int) -> None:
@@ -115,7 +115,7 @@ def test_attention_inputs(isa: str, types: tuple, rows: int, interleaved: bool, 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("types", LAYER_TYPES, ids=lambda ts: "-".join(T(t).name for t in ts))
 @settings(max_examples=3, deadline=None)
-@given(rows=st.sampled_from([1, 2, 11]), with_bias=st.booleans(), seed=st.integers(0, 2**32 - 1))
+@given(rows=st.sampled_from([1, 2, 11, quant.ROWS_PER_CALL + 9]), with_bias=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_mlp(isa: str, types: tuple, rows: int, with_bias: bool, seed: int) -> None:
     rng = np.random.default_rng(seed)
     hidden, width, inner, eps = 256, 512, 768, 1e-6
@@ -139,6 +139,24 @@ def test_mlp(isa: str, types: tuple, rows: int, with_bias: bool, seed: int) -> N
     gate, up = eight_bit(h, types[4]) @ g.T, eight_bit(h, types[5]) @ u.T
     want = mid + eight_bit(gate / (1 + np.exp(-gate)) * up, types[6]) @ d.T
     assert_close(stream - torch.from_numpy(residual), want - residual)  # the layer's change, not the stream
+
+
+def test_a_long_prefill_goes_to_the_layer_calls_in_pieces() -> None:
+    """Each C call's scratch grows with its rows: a prefill's rows go ROWS_PER_CALL at a time, all of them once"""
+    rng = np.random.default_rng(0)
+    o, g, u, d = (torch.from_numpy(random_matrix(rng, T.Q8_0, n, k)[0])
+                  for n, k in ((64, 64), (96, 64), (96, 64), (64, 96)))
+    rows = 2 * quant.ROWS_PER_CALL + 5
+    mlp = quant.Mlp((o, T.Q8_0), None, torch.ones(64), 1e-6, (g, T.Q8_0), (u, T.Q8_0), (d, T.Q8_0))
+    inputs = quant.AttentionInputs(torch.ones(64), 1e-6, (o, T.Q8_0), (o, T.Q8_0), (o, T.Q8_0), None, 16, False)
+    for op, rows_at in ((mlp, 2), (inputs, 1)):
+        seen, call = [], op.fn
+        op.fn = lambda *args, call=call, rows_at=rows_at, seen=seen: (seen.append(args[rows_at]), call(*args))
+        if op is mlp:
+            op(torch.ones(rows, 64), torch.ones(rows, 64))
+        else:
+            op(torch.ones(rows, 64), torch.ones(rows, 16), torch.ones(rows, 16))
+        assert seen == [quant.ROWS_PER_CALL, quant.ROWS_PER_CALL, 5]
 
 
 def test_refuses_shapes_that_do_not_chain() -> None:
