@@ -108,7 +108,12 @@ def section(args, measured: dict, seconds: float) -> Section:
     notes = ["Random weights (std 0.02) of the real shapes with the default model's tokenizer (bench/models.py); "
              "F16 written by gguf's writer, quantized by llama.cpp's llama-quantize.",
              "one chat: decode tokens/s of a 128-token reply; 16 chats: generated tokens per wall second, 16 x 64; "
-             "best of the rounds and alternations. Load: process start to ready, the file in the page cache."]
+             "best of the rounds and alternations. Load: process spawn to ready (llama-server: to its /health), "
+             "the file in the page cache, the fastest start."]
+    constructs = {key: smallest(m["runs"]["pagedchat"], "construct_s") for key, m in measured.items()}
+    notes.append("Of pagedchat's load, the engine's own construction (the file mapped, its tokenizer read): "
+                 + ", ".join(f"{s} {t} {c:.2f} s" for (s, t), c in constructs.items() if c is not None)
+                 + "; the rest is the interpreter and its imports (torch, transformers).")
     notes += errors
     notes.append("Logits: " + gguf_logits.__doc__.split("\n\n")[2].replace("\n", " "))
     logits = gguf_logits.table({key: (m["path"], m["logits"]) for key, m in measured.items()})
