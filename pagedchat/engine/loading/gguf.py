@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import json
 import mmap
 import shutil
 import struct
@@ -180,10 +181,18 @@ def read_config(path: Path, header: Header) -> PretrainedConfig:
 
 
 def load_tokenizer(path: Path, header: Header, config: PretrainedConfig) -> PreTrainedTokenizerBase:
-    """The file's tokenizer; given `config` (`read_config`), AutoTokenizer does not load the family's config."""
+    """The file's tokenizer. Where the cached folder names transformers' generic fast tokenizer (a Llama file's),
+    that class reads it directly: AutoTokenizer's search for a family's class first indexes all of transformers'
+    models, most of a second of every start. Given `config` (`read_config`), AutoTokenizer does not load the
+    family's config."""
+    folder = metadata_folder(path, header)
+    if json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class") == "TokenizersBackend":
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(folder)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(metadata_folder(path, header), config=config)
+    return AutoTokenizer.from_pretrained(folder, config=config)
 
 
 def metadata_folder(path: Path, header: Header) -> Path:

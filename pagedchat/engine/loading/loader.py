@@ -297,8 +297,6 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device
                ) -> tuple[PreTrainedModel | gguf.GgufModel, PreTrainedTokenizerBase]:
     """A folder's transformers model in `dtype` on `device`, or a GGUF's tensors where they lie
     (`gguf.open_model`: their own formats, computed in fp32 on a CPU), with the tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if is_gguf(path):
         try:
             loaded = gguf.open_model(path, dtype, device)
@@ -306,6 +304,9 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device
             raise ModelError(f"could not load {path}: {one_line(error)}") from error
         release_freed_memory()
         return loaded
+
+    # imported here: the auto classes index all of transformers' models, most of a second a GGUF's start skips
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         with _quiet_transformers():
