@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 from support.models import byte_tokenizer
 from textual.app import App, ComposeResult
+from textual.geometry import Region
 
 from pagedchat.engine.api.snapshot import BlockEvent, BlockInfo, KVSnapshot, RequestInfo
 from pagedchat.tui.kv_panel import KVPanel
@@ -110,6 +111,11 @@ def async_test(test):
     return run
 
 
-def screen_text(app: App) -> list[str]:
-    """The screen as a person reads it, one string per row (what tmux's capture-pane gives)."""
-    return [strip.text for strip in app.screen._compositor.render_strips()]
+def screen_text(app: App, region: Region | None = None) -> list[str]:
+    """The screen as a person reads it, one string per row (what tmux's capture-pane gives); with a region,
+    its rows cut to its columns. The cut is by cells: a reply's combining characters or wide ones make a
+    row's string index differ from its column."""
+    strips = app.screen._compositor.render_strips()
+    if region is None:
+        return [strip.text for strip in strips]
+    return [strip.crop(region.x, region.right).text for strip in strips[region.y:region.bottom]]

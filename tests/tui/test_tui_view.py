@@ -56,8 +56,7 @@ async def test_a_replys_line_breaks_show_as_the_model_wrote_them_whole_or_stream
 
 def region_text(app: App, widget: Widget) -> str:
     """What the widget shows on screen, its rows joined by spaces."""
-    region = widget.content_region
-    return " ".join(row[region.x:region.right].strip() for row in screen_text(app)[region.y:region.bottom])
+    return " ".join(row.strip() for row in screen_text(app, widget.content_region))
 
 
 @pytest.mark.parametrize("size", [(80, 24), (160, 48)])
@@ -131,7 +130,7 @@ async def test_at_80x24_the_footer_keeps_help_settings_panel_and_pause_and_the_p
         on_screen = app.screen.region
         for widget in (log, tables, app.query_one(KVStats)):  # each whole on screen, above the footer
             assert on_screen.contains_region(widget.region) and widget.region.bottom <= len(rows) - 1, widget
-        panel_rows = [row[panel.region.x:] for row in rows[panel.region.y:panel.region.bottom]]
+        panel_rows = screen_text(app, panel.region)
         assert not any(row.rstrip().endswith("…") for row in panel_rows), panel_rows
         assert "allocate" in region_text(app, log)
         shown_ids = region_text(app, tables).replace(":", " ").split()
