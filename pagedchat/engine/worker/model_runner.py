@@ -11,6 +11,7 @@ from pagedchat.engine import models
 from pagedchat.engine.layers.plan import plan_for
 from pagedchat.engine.loading.gguf import GgufModel
 from pagedchat.engine.core.scheduler import ScheduledSeq
+from pagedchat.engine.runtime.memory import return_large_buffers
 from pagedchat.kernels import AttentionMetadata, kv_quant, torch_ops
 
 if TYPE_CHECKING:  # transformers' model code is imported only where a model of it is loaded
@@ -63,6 +64,7 @@ class ModelRunner:
         self.attention_ops = attention_ops
         self.device = model.device
         self.layout = layout = KVLayout.of(model.config)
+        return_large_buffers()  # before the pool: each layer's calloc is then a mapping, its pages untouched
         # one block past the pool's: the compiled step's warm-up and padding write and read there
         shape = (num_blocks + 1, block_size, layout.num_kv_heads, kv_quant.row_width(self.kv_cache_dtype, layout.head_dim))
         self.kv_caches = [(untouched_zeros(shape, self.kv_cache_dtype, self.device),
