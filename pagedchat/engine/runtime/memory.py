@@ -8,7 +8,7 @@ import ctypes
 import functools
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-THRESHOLD_BYTES = 1 << 20  # a decode step's buffers stay below it (and are reused from the heap), a prefill's go above
+THRESHOLD_BYTES = 1 << 20  # a decode step's activations stay below it (reused from the heap), a prefill's go above
 
 
 @functools.cache
