@@ -82,6 +82,7 @@ def test_the_keys_readme_lists_reach_the_app_through_a_terminal(tiny_model, tmp_
         term.keys("-l", "one")
         term.keys("C-n")
         term.wait_for(r"■ chat 2", 10)
+        settle()  # the new tab's label shows before its message box takes the focus
         term.keys("-l", "two")
         box_shows(term, "two")
         for key, draft in (("F7", "one"), ("F8", "two"), ("M-Left", "one"), ("M-Right", "two"),
