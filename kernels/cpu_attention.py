@@ -47,16 +47,31 @@ def decode(query: torch.Tensor, rows: torch.Tensor, key_cache: torch.Tensor, val
     """out[rows] = attention of query[rows] (one query each) over their sequences' cached K/V; `new`: the
     step's (key, value, slot_mapping, of the queries' dtype), stored into the cache by the same call, in its
     format. The caller checks `takes`."""
-    num_q_heads, head_dim = query.shape[1:]
-    block_size, num_kv_heads = key_cache.shape[1:3]
-    key, value, slots = (None, None, None) if new is None else new
-    bf16 = query.dtype == key_cache.dtype == torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 256
-    attend = (kernel_bf16() if bf16 else None) or kernel()
-    attend(query.data_ptr(), query.stride(0), rows.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-           block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), len(rows), num_q_heads,
-           num_kv_heads, head_dim, block_size, native.KINDS[query.dtype], CACHE_KINDS[key_cache.dtype], scale,
-           out.data_ptr(), out.stride(0),
-           *_rows(key), *_rows(value), native.pointer(slots), torch.get_num_threads())
+    DecodeStep(query, rows, key_cache, block_tables, seq_lens, scale, out, new)(key_cache, value_cache)
+
+
+class DecodeStep:
+    """`decode` with all but the caches bound: a step's every layer attends the same rows over the same block
+    tables, from and into buffers that a model may reuse layer after layer, so that each layer's call is one C
+    call with nothing to compute in Python (a small model's decode step makes dozens). Holds its tensors; the
+    caches passed to each call are of `key_cache`'s dtype and shape."""
+
+    def __init__(self, query: torch.Tensor, rows: torch.Tensor, key_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
+                 new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+        num_q_heads, head_dim = query.shape[1:]
+        block_size, num_kv_heads = key_cache.shape[1:3]
+        key, value, slots = (None, None, None) if new is None else new
+        self.keep = (query, rows, block_tables, seq_lens, out, new)
+        bf16 = query.dtype == key_cache.dtype == torch.bfloat16 and head_dim % 16 == 0 and head_dim <= 256
+        self.attend = (kernel_bf16() if bf16 else None) or kernel()
+        self.head = (query.data_ptr(), query.stride(0), rows.data_ptr())
+        self.tail = (block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), len(rows), num_q_heads,
+                     num_kv_heads, head_dim, block_size, native.KINDS[query.dtype], CACHE_KINDS[key_cache.dtype],
+                     scale, out.data_ptr(), out.stride(0), *_rows(key), *_rows(value), native.pointer(slots))
+
+    def __call__(self, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+        self.attend(*self.head, key_cache.data_ptr(), value_cache.data_ptr(), *self.tail, torch.get_num_threads())
 
 
 def _rows(tensor: torch.Tensor | None) -> tuple[int | None, int]:

@@ -109,16 +109,24 @@ class AttentionInputs:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """fp32 [M, width] from x fp32 [M, depth] and each row's rotary tables, fp32 [M, head_dim]."""
         rows = x.shape[0]
+        self.check(x, cos, sin_signed)
+        y = torch.empty(rows, self.width, dtype=torch.float32)
+        threads = torch.get_num_threads()
+        for start in range(0, rows, ROWS_PER_CALL):
+            self.run(x[start].data_ptr(), min(ROWS_PER_CALL, rows - start), cos[start].data_ptr(),
+                     sin_signed[start].data_ptr(), y[start].data_ptr(), threads)
+        return y
+
+    def check(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
+        rows = x.shape[0]
         _check_rows(x, rows, self.depth)
         _check_rows(cos, rows, self.head_dim)
         _check_rows(sin_signed, rows, self.head_dim)
-        y = torch.empty(rows, self.width, dtype=torch.float32)
-        for start in range(0, rows, ROWS_PER_CALL):
-            end = min(start + ROWS_PER_CALL, rows)
-            self.fn(x[start].data_ptr(), end - start, self.depth, *self.args, cos[start].data_ptr(),
-                    sin_signed[start].data_ptr(), self.head_dim, self.interleaved, y[start].data_ptr(),
-                    torch.get_num_threads())
-        return y
+
+    def run(self, x: int, rows: int, cos: int, sin_signed: int, y: int, threads: int) -> None:
+        """The call itself, on the addresses of rows that `check` passed (at most ROWS_PER_CALL) and of y, fp32
+        [rows, width]: for a caller that calls it layer after layer on the same buffers."""
+        self.fn(x, rows, self.depth, *self.args, cos, sin_signed, self.head_dim, self.interleaved, y, threads)
 
 
 class Mlp:
@@ -147,12 +155,20 @@ class Mlp:
     def __call__(self, residual: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """`residual` (fp32 [M, hidden], contiguous) updated in place and returned; attention fp32 [M, width]."""
         rows = residual.shape[0]
-        _check_rows(residual, rows, self.hidden)
-        _check_rows(attention, rows, self.attention_width)
+        self.check(residual, attention)
+        threads = torch.get_num_threads()
         for start in range(0, rows, ROWS_PER_CALL):
-            self.fn(residual[start].data_ptr(), attention[start].data_ptr(), min(ROWS_PER_CALL, rows - start),
-                    self.hidden, self.attention_width, *self.args, torch.get_num_threads())
+            self.run(residual[start].data_ptr(), attention[start].data_ptr(), min(ROWS_PER_CALL, rows - start),
+                     threads)
         return residual
+
+    def check(self, residual: torch.Tensor, attention: torch.Tensor) -> None:
+        _check_rows(residual, residual.shape[0], self.hidden)
+        _check_rows(attention, residual.shape[0], self.attention_width)
+
+    def run(self, residual: int, attention: int, rows: int, threads: int) -> None:
+        """The call itself, on the addresses of rows that `check` passed (at most ROWS_PER_CALL)."""
+        self.fn(residual, attention, rows, self.hidden, self.attention_width, *self.args, threads)
 
 
 def dequantize_rows(weight: torch.Tensor, ggml_type: int, depth: int, rows: torch.Tensor) -> torch.Tensor:

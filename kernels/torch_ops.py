@@ -53,22 +53,39 @@ def _store_every_slot(key, value, key_cache, value_cache, slot_mapping) -> None:
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
               value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
     """One layer's attention for a step: store the new K/V [T, Hkv, D], then attend query [T, Hq, D]."""
-    if metadata.plan is None:
-        metadata.plan = _make_plan(metadata.block_tables_host, metadata.seq_lens_host, metadata.query_lens_host,
-                                   key_cache.shape[1], query.shape[1] // key_cache.shape[2], key.device,
-                                   fresh_prompts=True,
-                                   in_place_decode=cpu_attention.takes(query, key_cache, value_cache))
     out = query.new_empty(query.shape)
-    plan = metadata.plan
-    if len(plan) == 1 and isinstance(plan[0], _Decode) and _rows_of_heads(query, key, value):
-        # a step of decodes only: cpu_attention.c stores the new K/V too, in the same pass
-        part = plan[0]
-        cpu_attention.decode(query, part.rows, key_cache, value_cache, part.block_tables, part.seq_lens, scale, out,
-                             (key, value, metadata.slot_mapping))
+    step = decode_step(query, key, value, out, key_cache, value_cache, metadata, scale)
+    if step is not None:  # a step of decodes only: cpu_attention.c stores the new K/V too, in the same pass
+        step(key_cache, value_cache)
         return out
     _store_every_slot(key, value, key_cache, value_cache, metadata.slot_mapping)
-    _run(plan, query, key, value, key_cache, value_cache, scale, out)
+    _run(_plan(query, key_cache, value_cache, metadata), query, key, value, key_cache, value_cache, scale, out)
     return out
+
+
+def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+                ) -> cpu_attention.DecodeStep | None:
+    """Where a step is of decodes only and cpu_attention.c attends them in place: `attention`'s work for any
+    layer of the step (caches like these), as a call of that layer's caches that reads query/key/value and
+    writes out where they lie now; else None."""
+    plan = _plan(query, key_cache, value_cache, metadata)
+    if len(plan) == 1 and isinstance(plan[0], _Decode) and _rows_of_heads(query, key, value):
+        part = plan[0]
+        return cpu_attention.DecodeStep(query, part.rows, key_cache, part.block_tables, part.seq_lens, scale, out,
+                                        (key, value, metadata.slot_mapping))
+    return None
+
+
+def _plan(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata
+          ) -> list:
+    """The step's plan, made by its first layer for all (metadata.plan)."""
+    if metadata.plan is None:
+        metadata.plan = _make_plan(metadata.block_tables_host, metadata.seq_lens_host, metadata.query_lens_host,
+                                   key_cache.shape[1], query.shape[1] // key_cache.shape[2], query.device,
+                                   fresh_prompts=True,
+                                   in_place_decode=cpu_attention.takes(query, key_cache, value_cache))
+    return metadata.plan
 
 
 def _rows_of_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:

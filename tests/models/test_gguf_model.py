@@ -13,7 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from transformers import AutoModelForCausalLM
 
 from pagedchat import LLM, SamplingParams
-from pagedchat.engine.layers.quantized import ColumnProduct, QuantizedLayer, QuantizedWeight
+from pagedchat.engine.layers.quantized import ColumnProduct, QuantizedLayer, QuantizedStack, QuantizedWeight
 from pagedchat.engine.loading import gguf as gguf_loading
 from pagedchat.engine.loading import loader
 from pagedchat.kernels import AttentionMetadata, quant, torch_ops
@@ -70,7 +70,7 @@ def tensor_for(rng: np.random.Generator, ggml_type: T, rows: int, depth: int) ->
     return gguf.quants.quantize(values, ggml_type)
 
 
-def write_tiny_gguf(out: Path, seed: int, arch: str = "llama") -> Path:
+def write_tiny_gguf(out: Path, seed: int, arch: str = "llama", last_layer_types: dict = LAST_LAYER_TYPES) -> Path:
     """A llama.cpp-style file of `arch` (llama, qwen2 with q/k/v biases, qwen3 with q/k norms). A Llama's q/k
     rows are simply the file's (random) bytes, which transformers un-permutes on its load as it does any
     llama.cpp Llama's."""
@@ -106,7 +106,7 @@ def write_tiny_gguf(out: Path, seed: int, arch: str = "llama") -> Path:
               "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HEADS * head_dim),
               "ffn_gate": (INTERMEDIATE, HIDDEN), "ffn_up": (INTERMEDIATE, HIDDEN), "ffn_down": (HIDDEN, INTERMEDIATE)}
     for i in range(LAYERS):
-        types = TYPES | (LAST_LAYER_TYPES if i == LAYERS - 1 else {})
+        types = TYPES | (last_layer_types if i == LAYERS - 1 else {})
         norm(f"blk.{i}.attn_norm.weight")
         norm(f"blk.{i}.ffn_norm.weight")
         for name, (rows, depth) in shapes.items():
@@ -208,6 +208,49 @@ def test_logits_match_the_dequantized_model(tiny_gguf):
     assert error(exact) < EXACT_RELATIVE
     assert error(exact) <= ROUNDING_EXPLAINS * rounding
     assert cosine.min() > 0.998 and top1 >= 0.85
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_a_decode_step_of_quantized_layers_runs_as_the_layer_by_layer_path(arch, tmp_path, monkeypatch):
+    """Where every layer is quantized, a step of decodes only runs as three C calls a layer on buffers made once
+    (QuantizedStack): the same logits and the same K/V stored as the layer-by-layer path (itself checked against
+    transformers above), for sequences of different lengths in one step."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", 5, arch, last_layer_types={})
+    llm = make_llm(path)
+    runner, model = llm.engine.runner, llm.engine.runner.lean
+    assert model.stack is not None
+    rng = torch.Generator().manual_seed(13)
+    lengths, bs = [5, 17, 40], runner.block_size
+    tables = [[s * 4 + b for b in range(4)] for s in range(len(lengths))]
+    for table, length in zip(tables, lengths):  # each context's K/V, by a prefill of its own
+        ids = torch.randint(0, 256, (length,), generator=rng)
+        positions = torch.arange(length)
+        metadata = AttentionMetadata.build([table], [length], [length], [table[p // bs] * bs + p % bs
+                                                                         for p in positions.tolist()])
+        model.forward(ids, positions, positions[-1:], runner.kv_caches, metadata, torch_ops)
+    new = torch.randint(0, 256, (len(lengths),), generator=rng)
+    positions = torch.tensor(lengths)
+    slots = [table[p // bs] * bs + p % bs for table, p in zip(tables, lengths)]
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    stacked = []
+    monkeypatch.setattr(QuantizedStack, "decode", lambda self, *a, run=QuantizedStack.decode: stacked.append(
+        run(self, *a)) or stacked[-1])
+
+    def decode_step() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        for (k, v), (k0, v0) in zip(runner.kv_caches, before):
+            k.copy_(k0)
+            v.copy_(v0)
+        metadata = AttentionMetadata.build(tables, [n + 1 for n in lengths], [1] * len(lengths), slots)
+        logits = model.forward(new, positions, torch.arange(len(lengths)), runner.kv_caches, metadata, torch_ops)
+        return logits, [c.clone() for pair in runner.kv_caches for c in pair]
+
+    logits, caches = decode_step()
+    assert stacked == [True]
+    monkeypatch.setattr(model, "stack", None)
+    want_logits, want_caches = decode_step()
+    assert torch.equal(logits, want_logits)
+    assert all(torch.equal(got, want) for got, want in zip(caches, want_caches))
+    assert not all(torch.equal(got, k0) for got, (k0, _) in zip(caches[::2], before))  # the step stored its keys
 
 
 def test_dequantized_everywhere_where_the_kernels_cannot_run(tiny_gguf, monkeypatch):

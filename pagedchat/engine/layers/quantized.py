@@ -2,14 +2,15 @@
 the products of sibling matrices (q/k/v, gate/up) write into column slices of one output instead of being fused
 by concatenating their weights, which would copy them. A layer whose matrices are all quantized runs, but for
 its attention, in two calls (`QuantizedLayer`): a step of a small model spends more in the calls around its
-products than in them."""
+products than in them. A decode step of a model of such layers is three C calls a layer and no other Python
+(`QuantizedStack`)."""
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from pagedchat.kernels import cpu_gemm, quant
+from pagedchat.kernels import AttentionMetadata, cpu_gemm, quant, torch_ops
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +98,41 @@ class QuantizedLayer:
         interleaved = qkv.interleaved_heads > 0
         return cls(quant.AttentionInputs(input_norm, eps, q, k, v, qkv_bias, qkv.head_dim, interleaved, head_norms),
                    quant.Mlp(out, o_bias, post_norm, eps, gate, up, down_))
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedStack:
+    """A model's layers where every one is a `QuantizedLayer`, run on a step of decodes only (one new token a
+    sequence, attended in place by cpu_attention.c) as three C calls a layer: the step's q|k|v, attention and
+    row buffers are made and checked once and every layer reuses them, since a small model's decode step spent
+    as much in the Python around its calls (tensors made, views taken, checks) as in its products."""
+
+    layers: tuple[QuantizedLayer, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def decode(self, residual: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: AttentionMetadata, scale: float
+               ) -> bool:
+        """Runs the layers on `residual` (fp32 [S, hidden], updated in place) and True, where the step is of
+        decodes only that cpu_attention.c takes; else False, and nothing was done."""
+        rows = residual.shape[0]
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if rows > quant.ROWS_PER_CALL:
+            return False
+        qkv = torch.empty(rows, q_width + 2 * kv_width, dtype=torch.float32)
+        q, k, v = (part.view(rows, -1, self.head_dim) for part in qkv.split([q_width, kv_width, kv_width], dim=1))
+        out = torch.empty(rows, q_width, dtype=torch.float32)
+        attend = torch_ops.decode_step(q, k, v, out.view(rows, -1, self.head_dim), *kv_caches[0], metadata, scale)
+        if attend is None:
+            return False
+        self.layers[0].attention_inputs.check(residual, cos, sin_signed)
+        self.layers[0].mlp.check(residual, out)
+        x, cos_at, sin_at, qkv_at, out_at = (t.data_ptr() for t in (residual, cos, sin_signed, qkv, out))
+        threads = torch.get_num_threads()
+        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+            layer.attention_inputs.run(x, rows, cos_at, sin_at, qkv_at, threads)
+            attend(key_cache, value_cache)
+            layer.mlp.run(x, out_at, rows, threads)
+        return True

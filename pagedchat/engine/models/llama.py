@@ -10,7 +10,8 @@ q and k are rotated together, and the vocabulary projection runs only on the row
 Norms, rotary and the MLP's activation are transformers' formulas, so greedy fp32 output equals HF
 `generate` token for token. On a GGUF's quantized matrices the products are cpu_quant.c's (8-bit activations)
 and the model computes in fp32 (loading/gguf.py says why); a layer whose matrices are all quantized runs its
-ops before and after the attention in one C call each (layers/quantized.py's QuantizedLayer).
+ops before and after the attention in one C call each (layers/quantized.py's QuantizedLayer), and a decode step
+of a model of such layers runs as nothing but those calls and the attention's (QuantizedStack).
 """
 
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from torch import nn
 
 from pagedchat.engine.layers.ops import LayerOps
 from pagedchat.engine.layers.plan import KernelPlan, torch_plan
-from pagedchat.engine.layers.quantized import ColumnProduct, QuantizedLayer, QuantizedWeight
+from pagedchat.engine.layers.quantized import ColumnProduct, QuantizedLayer, QuantizedStack, QuantizedWeight
 from pagedchat.engine.loading import gguf
 from pagedchat.engine.loading.gguf import GgufModel
 from pagedchat.kernels import AttentionMetadata, torch_ops
@@ -64,6 +65,9 @@ class LlamaModel:
         self.final_norm = final_norm
         self.lm_head = lm_head
         self.layers = layers
+        quantized = tuple(layer.quantized for layer in layers)
+        self.stack = (QuantizedStack(quantized, self.num_heads, self.num_kv_heads, self.head_dim)
+                      if layers and None not in quantized else None)
         self.ops = LayerOps(plan)
         self.torch_ops = LayerOps(torch_plan(plan.dtype, plan.device))
         cos, sin = rotary  # [P, D]
@@ -136,10 +140,12 @@ class LlamaModel:
         """Logits [len(sample_rows), vocab] for the packed tokens, writing their K/V into the caches."""
         cos, sin = self.cos[positions], self.sin_signed[positions]
         residual = self.embedding(input_ids)
-        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
-            q, k, v = self.attention_inputs(residual, cos, sin, layer, self.ops)
-            o = attention_ops.attention(q, k, v, key_cache, value_cache, metadata, self.scale)
-            residual = self.mlp(o, residual, layer, self.ops)
+        if not (self.stack is not None and attention_ops is torch_ops
+                and self.stack.decode(residual, cos, sin, kv_caches, metadata, self.scale)):
+            for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+                q, k, v = self.attention_inputs(residual, cos, sin, layer, self.ops)
+                o = attention_ops.attention(q, k, v, key_cache, value_cache, metadata, self.scale)
+                residual = self.mlp(o, residual, layer, self.ops)
         return self.logits(residual.index_select(0, sample_rows), self.ops)
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
