@@ -20,7 +20,7 @@ import pstats
 from pathlib import Path
 
 from bench.common import Accumulator, Section, Table, arg_parser, start, load_llm, random_requests, stopwatch
-from pagedchat.kernels import quant
+from pagedchat.kernels import cpu_attention, quant
 
 PARTS = ("before attention (norm, q/k/v, rotary)", "attention", "after attention (o_proj, MLP)", "logits")
 
@@ -40,11 +40,15 @@ def decode_steps(llm, running: int, steps: int, prompt: int, profile: cProfile.P
     model = engine.runner.lean
     runner_forward, model_forward = Accumulator(engine.runner.forward), Accumulator(model.forward)
     engine.runner.forward, model.forward = runner_forward, model_forward
-    parts = dict(zip(PARTS, map(Accumulator, (quant.AttentionInputs.__call__, engine.runner.attention_ops.attention,
-                                                quant.Mlp.__call__, model.logits))))
-    quant.AttentionInputs.__call__ = lambda self, *args: parts[PARTS[0]](self, *args)
-    quant.Mlp.__call__ = lambda self, *args: parts[PARTS[2]](self, *args)
-    engine.runner.attention_ops.attention, model.logits = parts[PARTS[1]], parts[PARTS[3]]
+    # the C calls of a GGUF's quantized layers, whichever path makes them (a decode step of an all-quantized
+    # model: QuantizedStack, its attention a bound cpu_attention.DecodeStep; else layer by layer)
+    attention_call = ((cpu_attention.DecodeStep, "__call__") if model.stack
+                      else (engine.runner.attention_ops, "attention"))
+    patched = [(quant.AttentionInputs, "run"), attention_call, (quant.Mlp, "run"), (model, "logits")]
+    originals = [getattr(owner, name) for owner, name in patched]
+    parts = dict(zip(PARTS, map(Accumulator, originals)))
+    for (owner, name), part in zip(patched, PARTS):
+        setattr(owner, name, (lambda timer: lambda *args: timer(*args))(parts[part]))
     step_time = snapshot_time = 0.0
     try:
         for _ in range(steps):
@@ -55,9 +59,12 @@ def decode_steps(llm, running: int, steps: int, prompt: int, profile: cProfile.P
                 engine.kv_snapshot()
             snapshot_time += t.wall
     finally:
-        del engine.runner.forward, model.forward, model.logits  # back to the class methods
-        quant.AttentionInputs.__call__, quant.Mlp.__call__ = parts[PARTS[0]].fn, parts[PARTS[2]].fn
-        engine.runner.attention_ops.attention = parts[PARTS[1]].fn
+        del engine.runner.forward, model.forward  # back to the class methods
+        for (owner, name), original in zip(patched, originals):
+            if owner is model:
+                del model.logits
+            else:
+                setattr(owner, name, original)
     if profile:  # separate steps: the profiler's own cost must not count in the times above
         profile.enable()
         for _ in range(min(steps, 4)):
