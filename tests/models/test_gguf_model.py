@@ -210,15 +210,19 @@ def test_logits_match_the_dequantized_model(tiny_gguf):
     assert cosine.min() > 0.998 and top1 >= 0.85
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_a_decode_step_of_quantized_layers_runs_as_the_layer_by_layer_path(arch, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch, kv_cache_dtype", [("llama", "auto"), ("qwen2", "auto"), ("qwen3", "auto"),
+                                                 ("llama", "int8")])
+def test_a_decode_step_of_quantized_layers_runs_as_the_layer_by_layer_path(arch, kv_cache_dtype, tmp_path,
+                                                                             monkeypatch):
     """Where every layer is quantized, a step of decodes only runs as three C calls a layer on buffers made once
     (QuantizedStack): the same logits and the same K/V stored as the layer-by-layer path (itself checked against
-    transformers above), for sequences of different lengths in one step."""
+    transformers above), for sequences of different lengths in one step, over an fp16 or an 8-bit cache."""
     path = write_tiny_gguf(tmp_path / "tiny.gguf", 5, arch, last_layer_types={})
-    llm = make_llm(path)
+    llm = LLM(model=str(path), dtype="float32", device="cpu", attention_backend="torch", num_kv_blocks=32,
+              kv_cache_dtype=kv_cache_dtype)
     runner, model = llm.engine.runner, llm.engine.runner.lean
     assert model.stack is not None
+    assert runner.kv_caches[0][0].dtype == (torch.int8 if kv_cache_dtype == "int8" else torch.float16)
     rng = torch.Generator().manual_seed(13)
     lengths, bs = [5, 17, 40], runner.block_size
     tables = [[s * 4 + b for b in range(4)] for s in range(len(lengths))]
