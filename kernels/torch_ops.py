@@ -66,9 +66,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_c
 def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
                 ) -> cpu_attention.DecodeStep | None:
-    """Where a step is of decodes only and cpu_attention.c attends them in place: `attention`'s work for any
-    layer of the step (caches like these), as a call of that layer's caches that reads query/key/value and
-    writes out where they lie now; else None."""
+    """`attention` for every layer of a step of decodes only that cpu_attention.c attends in place: bound to
+    query/key/value (read) and out (written) where they lie, called with each layer's caches (like these). None
+    for any other step."""
     plan = _plan(query, key_cache, value_cache, metadata)
     if len(plan) == 1 and isinstance(plan[0], _Decode) and _rows_of_heads(query, key, value):
         part = plan[0]
