@@ -82,7 +82,9 @@ def goal(name: str, value: float, target: float, higher_is_better: bool = True, 
 
 
 def cpu_description() -> dict[str, str]:
-    model, flags = platform.processor() or "unknown", set()
+    """The CPU's name with its family and model numbers (a virtual machine's name may be a vendor's line alone,
+    "AMD EPYC", which the numbers tell apart: family 23 is Zen 1 or 2, 25 Zen 3 or 4), its flags of note."""
+    model, flags, numbers = platform.processor() or "unknown", set(), {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -91,8 +93,12 @@ def cpu_description() -> dict[str, str]:
                     model = value.strip()
                 elif key.strip() == "flags":
                     flags = set(value.split())
+                elif key.strip() in ("cpu family", "model"):
+                    numbers.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    if numbers:
+        model += f" (family {numbers.get('cpu family', '?')}, model {numbers.get('model', '?')})"
     return {
         "cpu": model,
         "flags": " ".join(f for f in INTERESTING_FLAGS if f in flags) or "none of " + "/".join(INTERESTING_FLAGS),
