@@ -6,7 +6,7 @@
     python -m bench.peers folder             # the default model as a bf16 HF folder, for vLLM (made once)
 
 - llama: llama.cpp as vendored in the sdist of llama-cpp-python, built from source for this CPU
-  (`GGML_NATIVE=ON`, ~15 minutes on 2 cores): `llama-server` (the peer for one chat and for many chats
+  (`GGML_NATIVE=ON` less AMX, ~15 minutes on 2 cores): `llama-server` (the peer for one chat and for many chats
   at once, `-np N` slots) and `llama-quantize`, which turns the shipped Q4_1 GGUF of the default model
   into BF16 and F32 GGUFs (`--allow-requantize --pure`: the BF16 one holds exactly pagedchat's bf16
   weights, which are the same Q4_1 blocks dequantized).
@@ -103,7 +103,11 @@ def setup_llama() -> None:
                 tar.extractall(scratch, filter="data")
             source = next(Path(scratch).glob("llama_cpp_python-*/vendor/llama.cpp"))
             build = Path(scratch) / "build"
+            # Not AMX: its matmul segfaults on some AMX CPUs (llama.cpp issue 20824, one of this bench's machines
+            # among them); every other instruction set of the CPU stays in, repacked kernels included.
+            no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
             _run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+                  f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}",
                   "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF",
                   "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF"])
             _run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 1), "--target", *LLAMA_BINARIES])

@@ -287,6 +287,20 @@ static void shuffle_for_k(int8_t *q, int64_t K, int type) {
         for (int t = 0; t < span / 32; t++) _mm256_storeu_si256((__m256i *)(q + i + 32 * t), v[t]);
     }
 }
+
+#if defined(__AVX512BW__)
+/* Each pair of x's 256-byte blocks as rows_q45_k_pairs reads it: 32 bytes of the first, 32 of the second, ... */
+static void pair_blocks(int8_t *q, int64_t K) {
+    for (int64_t i = 0; i + 512 <= K; i += 512) {
+        int8_t pair[512];
+        for (int t = 0; t < 8; t++) {
+            memcpy(pair + 64 * t, q + i + 32 * t, 32);
+            memcpy(pair + 64 * t + 32, q + i + 256 + 32 * t, 32);
+        }
+        memcpy(q + i, pair, 512);
+    }
+}
+#endif
 #endif
 
 static void quantize_acts(const void *x, int kind, int64_t m, const acts *a, int type) {
@@ -308,7 +322,12 @@ static void quantize_acts(const void *x, int kind, int64_t m, const acts *a, int
             for (int l = 0; l < 16; l++) s += q[16 * g + l];
             a->sums16[m * (K / 16) + g] = (int16_t)s;
         }
-    if (block_values(type) == 256 && !alone(m, a->M)) shuffle_for_k(q, K, type);
+    if (block_values(type) == 256 && !alone(m, a->M)) {
+        shuffle_for_k(q, K, type);
+#if defined(__AVX512BW__)
+        if (type != Q6_K) pair_blocks(q, K);
+#endif
+    }
     if (type == Q4_0 || type == Q4_1)  /* each pair of blocks as rows_q4_pairs reads it */
         for (int64_t b = 0; b + 1 < K / 32; b += 2) {
             int8_t swap[16];
@@ -360,31 +379,113 @@ ALWAYS void q45_k_pair(const uint8_t *qs, __m256i *high, int j, uint32_t sc4_lo,
     *isum = _mm256_add_epi32(*isum, _mm256_add_epi32(plo, phi));
 }
 
+/* A Q4_K or Q5_K block's d in every lane, dmin x each of its 8 mins, and its scales and mins as k_scales gives them */
+ALWAYS void q45_k_header(const uint8_t *blk, uint32_t u[4], __m256 *d, __m256 *mins) {
+    const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(load32(blk)));  /* d, dmin */
+    *d = _mm256_broadcastss_ps(dd);
+    /* the scales unpacked by the integer units: the vector shuffle units are the unpacking's bottleneck */
+    k_scales(blk + 4, u);
+    *mins = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)((uint64_t)u[3] << 32 | u[2])))));
+}
+
+/* A Q4_K or Q5_K block for more than one row of x: its values unpacked into eight registers, each four through
+ * words_4x4, and the scales of each four's sub-blocks in their words */
+ALWAYS void q45_k_many(const uint8_t *blk, const uint32_t u[4], const int five, __m256i v[8], __m256i scales[2]) {
+    const uint8_t *qs = blk + (five ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs));
+    __m256i high = five ? _mm256_loadu_si256((const __m256i *)(blk + offsetof(block_q5_K, qh))) : _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) q45_k_values(qs, &high, j, five, &v[2 * j], &v[2 * j + 1]);
+    words_4x4(v);
+    words_4x4(v + 4);
+    scales[0] = _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128((int)u[0])));
+    scales[1] = _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128((int)u[1])));
+}
+
+#if defined(__AVX512BW__)
+ALWAYS __m512i halves(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+
+ALWAYS __m512 halves_ps(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+
+/* Q4_K and Q5_K against more than one row of x on AVX-512: blocks b and b + 1 side by side in the halves of
+ * 512-bit registers, against x's rows whose quantization interleaved each pair's 32-byte pieces (pair_blocks),
+ * so that each multiply does twice the work of rows_q45_k's; an odd last block alone in the low halves. */
+ALWAYS void rows_q45_k_pairs(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy,
+                             const int five) {
+    const int64_t K = a->K, nb = K / 256, size = five ? sizeof(block_q5_K) : sizeof(block_q4_K);
+    __m512 acc[MR];
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int two = b + 1 < nb;
+        __m256i v[2][8], sc[2][2];
+        __m256 d[2], mins[2];
+        for (int k = 0; k < 2; k++) {
+            if (k && !two) {  /* nothing in the high halves */
+                for (int t = 0; t < 8; t++) v[1][t] = _mm256_setzero_si256();
+                sc[1][0] = sc[1][1] = _mm256_setzero_si256();
+                d[1] = mins[1] = _mm256_setzero_ps();
+                break;
+            }
+            uint32_t u[4];
+            q45_k_header(w + (b + k) * size, u, &d[k], &mins[k]);
+            q45_k_many(w + (b + k) * size, u, five, v[k], sc[k]);
+        }
+        __m512i V[8];
+        for (int t = 0; t < 8; t++) V[t] = halves(v[0][t], v[1][t]);
+        const __m512i scales[2] = {halves(sc[0][0], sc[1][0]), halves(sc[0][1], sc[1][1])};
+        const __m512 dw = halves_ps(d[0], d[1]), dmins = halves_ps(mins[0], mins[1]);
+        for (int r = 0; r < mr; r++) {
+            const int8_t *x = a->q + (m0 + r) * K + 256 * b;
+            const int64_t i = (m0 + r) * nb + b;
+            __m512i xv[8];
+            for (int t = 0; t < 8; t++)
+                xv[t] = two ? _mm512_loadu_si512(x + 64 * t)
+                            : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 32 * t)));
+            __m512i isum = _mm512_setzero_si512();
+            for (int g = 0; g < 2; g++) {
+                const __m512i s01 = _mm512_add_epi16(_mm512_maddubs_epi16(V[4 * g], xv[4 * g]),
+                                                     _mm512_maddubs_epi16(V[4 * g + 1], xv[4 * g + 1]));
+                const __m512i s23 = _mm512_add_epi16(_mm512_maddubs_epi16(V[4 * g + 2], xv[4 * g + 2]),
+                                                     _mm512_maddubs_epi16(V[4 * g + 3], xv[4 * g + 3]));
+                isum = _mm512_add_epi32(isum, _mm512_madd_epi16(_mm512_add_epi16(s01, s23), scales[g]));
+            }
+            /* x's d of each block over its half; the high half's zero weights make an odd last block's x d moot */
+            const __m512 xd = halves_ps(_mm256_set1_ps(a->d[i]), _mm256_set1_ps(a->d[i + two]));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_cvtepi32_ps(isum)), xd, acc[r]);
+            acc[r] = _mm512_fnmadd_ps(dmins, _mm512_maskz_loadu_ps(two ? 0xFFFF : 0x00FF, a->ds + i * 8), acc[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++) y[r * ldy] = _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
 /* Q4_K and Q5_K: sub-blocks of 32 with 6-bit scales and mins; x's d * sum of each 32 carries the mins. One row
  * of x in the file's order, sub-block by sub-block; more (shuffled by words_4x4) against the whole block at
  * once, its values unpacked into eight registers first: each row's four products of a register's 128 values
  * summed in s16 (at most 4 x 2 x 31 x 127, no overflow), then one madd of their scales */
 ALWAYS void rows_q45_k(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy,
                        const int five) {
+#if defined(__AVX512BW__)
+    if (mr > 1) {
+        rows_q45_k_pairs(w, a, m0, mr, y, ldy, five);
+        return;
+    }
+#endif
     const int64_t K = a->K, nb = K / 256, size = five ? sizeof(block_q5_K) : sizeof(block_q4_K);
     __m256 acc[MR];
     for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * size;
-        const uint8_t *qs = blk + (five ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs));
-        const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(load32(blk)));  /* d, dmin */
-        const __m256 d = _mm256_broadcastss_ps(dd);
-        /* the scales unpacked by the integer units: the vector shuffle units are the unpacking's bottleneck */
         uint32_t u[4];
-        k_scales(blk + 4, u);
-        /* dmin * each min, against x's d * sum of each 32 */
-        const __m256 mins = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)),
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)((uint64_t)u[3] << 32 | u[2])))));
-        __m256i high = five ? _mm256_loadu_si256((const __m256i *)(blk + offsetof(block_q5_K, qh)))
-                            : _mm256_setzero_si256();
+        __m256 d, mins;
+        q45_k_header(blk, u, &d, &mins);
         const int8_t *xq = a->q + m0 * K + 256 * b;
         if (mr == 1) {
             PREFETCH_AHEAD(blk, size);
+            const uint8_t *qs = blk + (five ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs));
+            __m256i high = five ? _mm256_loadu_si256((const __m256i *)(blk + offsetof(block_q5_K, qh)))
+                                : _mm256_setzero_si256();
             __m256i isum = _mm256_setzero_si256();
             for (int j = 0; j < 4; j++) q45_k_pair(qs, &high, j, u[0] << 2, u[1] << 2, xq, five, &isum);
             acc[0] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum)), _mm256_broadcast_ss(a->d + m0 * nb + b),
@@ -392,12 +493,8 @@ ALWAYS void rows_q45_k(const uint8_t *w, const acts *a, int64_t m0, const int mr
             acc[0] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(a->ds + (m0 * nb + b) * 8), acc[0]);
             continue;
         }
-        __m256i v[8];
-        for (int j = 0; j < 4; j++) q45_k_values(qs, &high, j, five, &v[2 * j], &v[2 * j + 1]);
-        words_4x4(v);
-        words_4x4(v + 4);
-        const __m256i scales[2] = {_mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128((int)u[0]))),
-                                   _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128((int)u[1])))};
+        __m256i v[8], scales[2];
+        q45_k_many(blk, u, five, v, scales);
         for (int r = 0; r < mr; r++) {
             const __m256i *x = (const __m256i *)(xq + r * K);
             __m256i isum = _mm256_setzero_si256();
