@@ -289,7 +289,7 @@ static void shuffle_for_k(int8_t *q, int64_t K, int type) {
 }
 
 #if defined(__AVX512BW__)
-/* Each pair of x's 256-byte blocks as rows_q45_k_pairs reads it: 32 bytes of the first, 32 of the second, ... */
+/* Each pair of x's 256-byte blocks as the many-row K-quant kernels read it: 32 bytes of the first, 32 of the second, ... */
 static void pair_blocks(int8_t *q, int64_t K) {
     for (int64_t i = 0; i + 512 <= K; i += 512) {
         int8_t pair[512];
@@ -325,7 +325,7 @@ static void quantize_acts(const void *x, int kind, int64_t m, const acts *a, int
     if (block_values(type) == 256 && !alone(m, a->M)) {
         shuffle_for_k(q, K, type);
 #if defined(__AVX512BW__)
-        if (type != Q6_K) pair_blocks(q, K);
+        pair_blocks(q, K);
 #endif
     }
     if (type == Q4_0 || type == Q4_1)  /* each pair of blocks as rows_q4_pairs reads it */
@@ -402,15 +402,25 @@ ALWAYS void q45_k_many(const uint8_t *blk, const uint32_t u[4], const int five, 
 }
 
 #if defined(__AVX512BW__)
-ALWAYS __m512i halves(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+/* The many-row K-quant kernels on AVX-512 take blocks b and b + 1 side by side in the halves of 512-bit registers,
+ * against x's rows whose quantization interleaved each pair's 32-byte pieces (pair_blocks), so that each
+ * multiply does twice the work of the 256-bit kernels'; an odd last block goes alone in the low halves. */
+ALWAYS __m512i side_by_side(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 
-ALWAYS __m512 halves_ps(__m256 lo, __m256 hi) {
+ALWAYS __m512 side_by_side_ps(__m256 lo, __m256 hi) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
 }
 
-/* Q4_K and Q5_K against more than one row of x on AVX-512: blocks b and b + 1 side by side in the halves of
- * 512-bit registers, against x's rows whose quantization interleaved each pair's 32-byte pieces (pair_blocks),
- * so that each multiply does twice the work of rows_q45_k's; an odd last block alone in the low halves. */
+/* Piece t of a pair of x's blocks at x (`two`), or of one block alone */
+ALWAYS __m512i pair_x(const int8_t *x, int t, int two) {
+    return two ? _mm512_loadu_si512(x + 64 * t) : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 32 * t)));
+}
+
+/* x's d of block i over the low half, of block i + 1 over the high; of i again for a block alone, whose zero
+ * high weights make it moot */
+ALWAYS __m512 pair_d(const float *d, int two) { return side_by_side_ps(_mm256_set1_ps(d[0]), _mm256_set1_ps(d[two])); }
+
+/* Q4_K and Q5_K against more than one row of x on AVX-512 */
 ALWAYS void rows_q45_k_pairs(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy,
                              const int five) {
     const int64_t K = a->K, nb = K / 256, size = five ? sizeof(block_q5_K) : sizeof(block_q4_K);
@@ -432,16 +442,14 @@ ALWAYS void rows_q45_k_pairs(const uint8_t *w, const acts *a, int64_t m0, const 
             q45_k_many(w + (b + k) * size, u, five, v[k], sc[k]);
         }
         __m512i V[8];
-        for (int t = 0; t < 8; t++) V[t] = halves(v[0][t], v[1][t]);
-        const __m512i scales[2] = {halves(sc[0][0], sc[1][0]), halves(sc[0][1], sc[1][1])};
-        const __m512 dw = halves_ps(d[0], d[1]), dmins = halves_ps(mins[0], mins[1]);
+        for (int t = 0; t < 8; t++) V[t] = side_by_side(v[0][t], v[1][t]);
+        const __m512i scales[2] = {side_by_side(sc[0][0], sc[1][0]), side_by_side(sc[0][1], sc[1][1])};
+        const __m512 dw = side_by_side_ps(d[0], d[1]), dmins = side_by_side_ps(mins[0], mins[1]);
         for (int r = 0; r < mr; r++) {
             const int8_t *x = a->q + (m0 + r) * K + 256 * b;
             const int64_t i = (m0 + r) * nb + b;
             __m512i xv[8];
-            for (int t = 0; t < 8; t++)
-                xv[t] = two ? _mm512_loadu_si512(x + 64 * t)
-                            : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(x + 32 * t)));
+            for (int t = 0; t < 8; t++) xv[t] = pair_x(x, t, two);
             __m512i isum = _mm512_setzero_si512();
             for (int g = 0; g < 2; g++) {
                 const __m512i s01 = _mm512_add_epi16(_mm512_maddubs_epi16(V[4 * g], xv[4 * g]),
@@ -450,9 +458,7 @@ ALWAYS void rows_q45_k_pairs(const uint8_t *w, const acts *a, int64_t m0, const 
                                                      _mm512_maddubs_epi16(V[4 * g + 3], xv[4 * g + 3]));
                 isum = _mm512_add_epi32(isum, _mm512_madd_epi16(_mm512_add_epi16(s01, s23), scales[g]));
             }
-            /* x's d of each block over its half; the high half's zero weights make an odd last block's x d moot */
-            const __m512 xd = halves_ps(_mm256_set1_ps(a->d[i]), _mm256_set1_ps(a->d[i + two]));
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_cvtepi32_ps(isum)), xd, acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_cvtepi32_ps(isum)), pair_d(a->d + i, two), acc[r]);
             acc[r] = _mm512_fnmadd_ps(dmins, _mm512_maskz_loadu_ps(two ? 0xFFFF : 0x00FF, a->ds + i * 8), acc[r]);
         }
     }
@@ -536,24 +542,90 @@ ALWAYS void q6_k_values(const block_q6_K *blk, int h, __m256i q[4]) {
                            _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8((char)0xC0)), 2));
 }
 
+/* A Q6_K block for more than one row of x: its values unpacked into eight registers, each two through
+ * words_2x2, the scales that each pair's madd takes (s), and all 16 as words (sc16) */
+ALWAYS void q6_k_many(const block_q6_K *blk, __m256i q[8], __m256i s[4], __m256i *sc16) {
+    *sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)blk->scales));
+    /* each half's 8 scales in both halves of a register, for in-lane shuffles to broadcast */
+    const __m256i halves[2] = {_mm256_permute4x64_epi64(*sc16, 0x44), _mm256_permute4x64_epi64(*sc16, 0xEE)};
+    for (int h = 0; h < 2; h++) {
+        q6_k_values(blk, h, q + 4 * h);
+        words_2x2(q + 4 * h);
+        words_2x2(q + 4 * h + 2);
+        for (int P = 0; P < 2; P++) {
+            const __m128i lo = _mm_set1_epi32(0x05040100 + 0x08080808 * P);
+            s[2 * h + P] = _mm256_shuffle_epi8(halves[h], _mm256_set_m128i(_mm_add_epi8(lo, _mm_set1_epi8(2)), lo));
+        }
+    }
+}
+
+#if defined(__AVX512BW__)
+/* Q6_K against more than one row of x on AVX-512, as rows_q45_k_pairs: blocks b and b + 1 in the halves of each
+ * register, an odd last block alone in the low halves */
+ALWAYS void rows_q6_k_pairs(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    const int64_t K = a->K, nb = K / 256;
+    __m512 acc[MR];
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int two = b + 1 < nb;
+        __m256i q[2][8], s[2][4], sc16[2];
+        float d[2] = {0.0f, 0.0f};
+        for (int k = 0; k < 2; k++) {
+            if (k && !two) {  /* nothing in the high halves */
+                for (int t = 0; t < 8; t++) q[1][t] = _mm256_setzero_si256();
+                for (int P = 0; P < 4; P++) s[1][P] = _mm256_setzero_si256();
+                sc16[1] = _mm256_setzero_si256();
+                break;
+            }
+            d[k] = half_at(w + (b + k) * sizeof(block_q6_K) + offsetof(block_q6_K, d));
+            q6_k_many((const block_q6_K *)(w + (b + k) * sizeof(block_q6_K)), q[k], s[k], &sc16[k]);
+        }
+        __m512i Q[8], S[4];
+        for (int t = 0; t < 8; t++) Q[t] = side_by_side(q[0][t], q[1][t]);
+        for (int P = 0; P < 4; P++) S[P] = side_by_side(s[0][P], s[1][P]);
+        const __m512i scales16 = side_by_side(sc16[0], sc16[1]);
+        const __m512 dw = side_by_side_ps(_mm256_set1_ps(d[0]), _mm256_set1_ps(d[1]));
+        for (int r = 0; r < mr; r++) {
+            const int8_t *x = a->q + (m0 + r) * K + 256 * b;
+            const int64_t i = (m0 + r) * nb + b;
+            /* minus the sum: the offset (32 x each scale x its 16 values of x) less each product */
+            __m512i minus = _mm512_slli_epi32(_mm512_madd_epi16(scales16,
+                _mm512_maskz_loadu_epi16(two ? 0xFFFFFFFF : 0x0000FFFF, a->sums16 + i * 16)), 5);
+            for (int P = 0; P < 4; P++)
+                minus = _mm512_sub_epi32(minus, _mm512_madd_epi16(
+                    _mm512_add_epi16(_mm512_maddubs_epi16(Q[2 * P], pair_x(x, 2 * P, two)),
+                                     _mm512_maddubs_epi16(Q[2 * P + 1], pair_x(x, 2 * P + 1, two))), S[P]));
+            acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dw, pair_d(a->d + i, two)), _mm512_cvtepi32_ps(minus), acc[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++) y[r * ldy] = _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
 /* Q6_K: sub-blocks of 16 with int8 scales; values 0..63 less 32, the 32 carried by the x sums of 16. One row of
  * x in the file's order, group by group; more (shuffled by words_2x2) against the whole block at once, its
  * values unpacked into eight registers first: each row's products of groups 2P and 2P + 1 summed in s16 (at
  * most 2 x 2 x 63 x 127), then one madd of their scales, which take in the low 128 bits scales 4P and 4P + 2 of
  * the half word by word, in the high, 4P + 1 and 4P + 3 */
 ALWAYS void rows_q6_k(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+#if defined(__AVX512BW__)
+    if (mr > 1) {
+        rows_q6_k_pairs(w, a, m0, mr, y, ldy);
+        return;
+    }
+#endif
     const int64_t K = a->K, nb = K / 256;
     __m256 acc[MR];
     for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const block_q6_K *blk = (const block_q6_K *)(w + b * sizeof(block_q6_K));
         const float d = half_at(w + b * sizeof(block_q6_K) + offsetof(block_q6_K, d));
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)blk->scales));
-        /* each half's 8 scales in both halves of a register, for in-lane shuffles to broadcast */
-        const __m256i halves[2] = {_mm256_permute4x64_epi64(sc16, 0x44), _mm256_permute4x64_epi64(sc16, 0xEE)};
-        __m256i q[8], s[4];
         if (mr == 1) {
             PREFETCH_AHEAD(blk, (int)sizeof(block_q6_K));
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)blk->scales));
+            /* each half's 8 scales in both halves of a register, for in-lane shuffles to broadcast */
+            const __m256i halves[2] = {_mm256_permute4x64_epi64(sc16, 0x44), _mm256_permute4x64_epi64(sc16, 0xEE)};
+            __m256i q[4], s[4];
             const int8_t *xq = a->q + m0 * K + 256 * b;
             /* the offset, 32 x each scale x its 16 values of x, taken off */
             __m256i isum = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(
@@ -573,15 +645,8 @@ ALWAYS void rows_q6_k(const uint8_t *w, const acts *a, int64_t m0, const int mr,
             acc[0] = _mm256_fmadd_ps(_mm256_set1_ps(d * a->d[m0 * nb + b]), _mm256_cvtepi32_ps(isum), acc[0]);
             continue;
         }
-        for (int h = 0; h < 2; h++) {
-            q6_k_values(blk, h, q + 4 * h);
-            words_2x2(q + 4 * h);
-            words_2x2(q + 4 * h + 2);
-            for (int P = 0; P < 2; P++) {
-                const __m128i lo = _mm_set1_epi32(0x05040100 + 0x08080808 * P);
-                s[2 * h + P] = _mm256_shuffle_epi8(halves[h], _mm256_set_m128i(_mm_add_epi8(lo, _mm_set1_epi8(2)), lo));
-            }
-        }
+        __m256i q[8], s[4], sc16;
+        q6_k_many(blk, q, s, &sc16);
         for (int r = 0; r < mr; r++) {
             const __m256i *x = (const __m256i *)(a->q + (m0 + r) * K + 256 * b);
             const int64_t i = (m0 + r) * nb + b;
