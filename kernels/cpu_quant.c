@@ -730,7 +730,43 @@ ALWAYS void rows_small(int type, const uint8_t *w, const acts *a, int64_t m0, co
     for (int r = 0; r < mr; r++) y[r * ldy] = sum8(mr == 1 ? _mm256_add_ps(even[r], odd[r]) : even[r]) + offset[r];
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* Q8_0 against more than one row of x on AVX-512: blocks b and b + 1 side by side, as the K-quants' pairs (x's
+ * two blocks lie side by side already); an odd last block alone in the low halves */
+ALWAYS void rows_q8_0_pairs(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    const int64_t K = a->K, nb = K / 32;
+    __m512 acc[MR];
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int two = b + 1 < nb;
+        const uint8_t *blk = w + b * sizeof(block_q8_0);
+        const __m256i first = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        const __m512i wq = side_by_side(first, two ? _mm256_loadu_si256((const __m256i *)(blk + sizeof(block_q8_0) + 2))
+                                                   : _mm256_setzero_si256());
+        /* unsigned x signed bytes: |w| against x carrying w's sign */
+        const __m512i uw = _mm512_abs_epi8(wq);
+        const __mmask64 negative = _mm512_movepi8_mask(wq);
+        const __m512 dw = side_by_side_ps(_mm256_set1_ps(half_at(blk)),
+                                          _mm256_set1_ps(two ? half_at(blk + sizeof(block_q8_0)) : 0.0f));
+        for (int r = 0; r < mr; r++) {
+            const int64_t i = (m0 + r) * nb + b;
+            const __m512i xv = pair_x(a->q + i * 32, 0, two);
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), uw,
+                                                  _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, pair_d(a->d + i, two)), acc[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++) y[r * ldy] = _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
 ALWAYS void rows_q8_0(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    if (mr > 1) {
+        rows_q8_0_pairs(w, a, m0, mr, y, ldy);
+        return;
+    }
+#endif
     rows_small(Q8_0, w, a, m0, mr, y, ldy);
 }
 
