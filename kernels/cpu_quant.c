@@ -33,7 +33,15 @@ enum { KIND_BF16 = 0, KIND_FP16 = 1, KIND_FP32 = 2 };  /* avx2.h's kinds, which 
 #endif
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* ggml_type */
-#define MR 8              /* rows of x multiplied against each weight row in one pass */
+/* rows of x multiplied against each weight row in one pass: each weight block is unpacked once per MR rows, and
+ * AVX-512's 32 registers hold the accumulators of 16; Q8_0's, Q4_0's and Q4_1's blocks unpack in a few
+ * instructions, and more than MR_SMALL rows only spill their accumulators */
+#if defined(__AVX512F__)
+#define MR 16
+#else
+#define MR 8
+#endif
+#define MR_SMALL 8
 #define TILE_BYTES 65536  /* the weight bytes of a tile (L2-resident while all of x passes over it) */
 #define ALWAYS static inline __attribute__((always_inline))
 /* One row's K-quant kernels ask for the weights' cache lines this far ahead of the block they reach: with the
@@ -272,7 +280,7 @@ ALWAYS void words_2x2(__m256i v[2]) {
     v[0] = lo;
 }
 
-/* Row m of x multiplied alone: the last of M where M is one more than a multiple of MR */
+/* Row m of x multiplied alone by a K-quant: the last of M where M is one more than a multiple of MR */
 static int alone(int64_t m, int64_t M) { return M - m / MR * MR == 1; }
 
 /* x's row as the many-row K-quant kernels read it: each 128 bytes through words_4x4 (Q4_K, Q5_K) or each 64
@@ -924,21 +932,25 @@ ALWAYS void rows_q4_1(const uint8_t *w, const acts *a, int64_t m0, const int mr,
 typedef void (*tile_fn)(const uint8_t *w, int64_t row_bytes, int64_t rows, const acts *a, int64_t m0, int mr,
                         float *y, int64_t ldy);
 
+#define TILE_CASE(kernel, k) \
+    case k: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, k, y + n, ldy); break;
+#if MR == 16
+#define WIDE_CASES(kernel)                                                                                   \
+    TILE_CASE(kernel, 8) TILE_CASE(kernel, 9) TILE_CASE(kernel, 10) TILE_CASE(kernel, 11)                    \
+    TILE_CASE(kernel, 12) TILE_CASE(kernel, 13) TILE_CASE(kernel, 14) TILE_CASE(kernel, 15)
+#else
+#define WIDE_CASES(kernel)
+#endif
 #define TILE(name, kernel)                                                                                   \
     static void name(const uint8_t *w, int64_t row_bytes, int64_t rows, const acts *a, int64_t m0, int mr,   \
                      float *y, int64_t ldy) {                                                                \
         switch (mr) {                                                                                        \
-        case 1: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, 1, y + n, ldy); break;   \
-        case 2: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, 2, y + n, ldy); break;   \
-        case 3: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, 3, y + n, ldy); break;   \
-        case 4: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, 4, y + n, ldy); break;   \
-        case 5: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, 5, y + n, ldy); break;   \
-        case 6: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, 6, y + n, ldy); break;   \
-        case 7: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, 7, y + n, ldy); break;   \
+        TILE_CASE(kernel, 1) TILE_CASE(kernel, 2) TILE_CASE(kernel, 3) TILE_CASE(kernel, 4)                  \
+        TILE_CASE(kernel, 5) TILE_CASE(kernel, 6) TILE_CASE(kernel, 7) WIDE_CASES(kernel)                    \
         default: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, MR, y + n, ldy);        \
         }                                                                                                    \
     }
-_Static_assert(MR == 8, "TILE instantiates mr = 1..MR");
+_Static_assert(MR == 8 || MR == 16, "TILE instantiates mr = 1..MR");
 TILE(tile_q4_0, rows_q4_0)
 TILE(tile_q4_1, rows_q4_1)
 TILE(tile_q8_0, rows_q8_0)
@@ -993,10 +1005,11 @@ static void run_products(const product *p, int count, int64_t M) {
         const int64_t end = begin + share < p[i].N ? begin + share : p[i].N;
         const int64_t tile_rows = TILE_BYTES / row_bytes > 4 ? TILE_BYTES / row_bytes : 4;
         const tile_fn tile = tile_for(p[i].type);
+        const int64_t pass = block_values(p[i].type) == 256 ? MR : MR_SMALL;
         for (int64_t n0 = begin; n0 < end; n0 += tile_rows) {
             const int64_t rows = n0 + tile_rows < end ? tile_rows : end - n0;
-            for (int64_t m0 = 0; m0 < M; m0 += MR)
-                tile(p[i].w + n0 * row_bytes, row_bytes, rows, p[i].a, m0, M - m0 < MR ? M - m0 : MR,
+            for (int64_t m0 = 0; m0 < M; m0 += pass)
+                tile(p[i].w + n0 * row_bytes, row_bytes, rows, p[i].a, m0, M - m0 < pass ? M - m0 : pass,
                      p[i].y + m0 * p[i].ldy + n0, p[i].ldy);
         }
     }
