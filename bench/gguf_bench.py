@@ -98,8 +98,8 @@ def section(args, measured: dict, seconds: float) -> Section:
                        " / ".join(ratio) if name == "pagedchat" else ""])
     cpu = cpu_description()
     settings = [f"machine: {cpu['cpu']}, {cpu['cores']} cores, flags: {cpu['flags']}",
-                f"peer: llama.cpp {peers.LLAMA_CPP_PYTHON.split('==')[1]} (vendored in llama-cpp-python, {peers.LLAMA_BUILD}) "
-                "`llama-server`, 16 slots; each engine in its own process, alternating",
+                f"peer: llama.cpp {peers.LLAMA_CPP_PYTHON.split('==')[1]} (vendored in llama-cpp-python, "
+                f"{peers.LLAMA_BUILD}) `llama-server`, 16 slots; each engine in its own process, alternating",
                 f"{args.threads} threads, KV for {KV_TOKENS} tokens in each engine, {args.rounds} rounds x "
                 f"{args.alternations} alternations; load average at end {load_average()}",
                 "pagedchat's kernel plan: " + ("; ".join(sorted(plans)) or "n/a"),

