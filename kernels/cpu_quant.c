@@ -14,9 +14,10 @@
  * bytes stay in L1 across the tile), so the weights are read from memory once a call whatever M is, and each
  * weight block is unpacked once per MR rows of x.
  *
- * One file, built per instruction set: with -mavx2 -mfma -mf16c the AVX2 kernels below; without, the
- * portable ones (plain C, which unpacks each weight block into bytes and lets the compiler vectorise the
- * dot products as it can), for any CPU.
+ * One file, built per instruction set: with -mavx2 -mfma -mf16c the AVX2 kernels below (with VNNI, their
+ * byte products in vpdpbusd); with AVX-512 as well, the many-row kernels take two blocks at once in 512-bit
+ * registers and the K-quants 16 rows of x a pass; without AVX2, the portable ones (plain C, which unpacks
+ * each weight block into bytes and lets the compiler vectorise the dot products as it can), for any CPU.
  */
 #include <math.h>
 #include <stddef.h>
