@@ -5,7 +5,8 @@ The header is read here rather than by `gguf.GGUFReader`, which builds a numpy v
 ~100,000 strings of a tokenizer's vocabulary and merges: 3.9 s for the default model's file on the 2-core
 machines, where skipping them takes milliseconds. The config and the tokenizer need transformers' reading of
 those fields; they are made once per file and kept in the user cache (a few MB), keyed by path, size and
-mtime, so a second start reads nothing but the header and maps the tensors.
+mtime, so a second start reads nothing but the header and maps the tensors, and does not import transformers
+(`tokenizer`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 from unittest import mock
 
@@ -31,12 +33,14 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagedchat.engine.layers.quantized import Matrix, QuantizedWeight
+from pagedchat.engine.loading.tokenizer import FileTokenizer, transformers_tokenizer
+from pagedchat.engine.loading.tokenizer import save as save_tokenizer
 from pagedchat.kernels import quant
 
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+    from transformers import PreTrainedTokenizerBase
 
 # general.architecture -> transformers' model_type, for the families pagedchat runs
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -161,38 +165,30 @@ def model_type(header: Header) -> str | None:
 
 # --- config and tokenizer: made once, cached ------------------------------------------------------------------
 
+CACHE_FORMAT = 2  # in the cache's key: 2 added tokenizer.save's files
+
 
 def cache_dir(path: Path) -> Path:
     """Where the file's config and tokenizer are kept; the key covers path, size and mtime, so an edited file
     is read again."""
     path = Path(path).resolve()
     stat = path.stat()
-    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{CACHE_FORMAT}\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     return platformdirs.user_cache_path("pagedchat", appauthor=False) / "tokenizers" / f"{path.stem}-{key}"
 
 
-def read_config(path: Path, header: Header) -> PretrainedConfig:
-    """The fields the family's config class saved (`metadata_folder`), held by transformers' base config class:
-    the family's own (LlamaConfig, ...) would import transformers' model-loading code with it (torch.distributed,
-    sympy: ~55 MB resident) into a process that runs none of it."""
-    from transformers import PretrainedConfig
-
-    return PretrainedConfig.from_json_file(metadata_folder(path, header) / "config.json")
+def read_config(path: Path, header: Header) -> SimpleNamespace:
+    """The fields the family's config class saved (`metadata_folder`), as attributes: what the engine reads of
+    a config, without importing transformers (see `tokenizer`)."""
+    return SimpleNamespace(**json.loads((metadata_folder(path, header) / "config.json").read_text()))
 
 
-def load_tokenizer(path: Path, header: Header, config: PretrainedConfig) -> PreTrainedTokenizerBase:
-    """The file's tokenizer. Where the cached folder names transformers' generic fast tokenizer (a Llama file's),
-    that class reads it directly: AutoTokenizer's search for a family's class first indexes all of transformers'
-    models, most of a second of every start. Given `config` (`read_config`), AutoTokenizer does not load the
-    family's config."""
+def load_tokenizer(path: Path, header: Header) -> FileTokenizer | PreTrainedTokenizerBase:
+    """The file's tokenizer: `tokenizer.FileTokenizer` where it stands in for transformers' (any fast tokenizer
+    that does not clean up spaces), else transformers' own."""
     folder = metadata_folder(path, header)
-    if json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class") == "TokenizersBackend":
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(folder)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder, config=config)
+    tokenizer = FileTokenizer.load(folder)
+    return tokenizer if tokenizer is not None else transformers_tokenizer(folder)
 
 
 def metadata_folder(path: Path, header: Header) -> Path:
@@ -235,6 +231,9 @@ def _write_config_and_tokenizer(path: Path, header: Header, out: Path) -> None:
             raise GgufError(f"its metadata cannot be read: {type(error).__name__}: {error}") from error
         config.save_pretrained(out)
         tokenizer.save_pretrained(out)
+        # as read back from the folder, as pagedchat read it before `tokenizer` stood in: a family's class sets up
+        # more from a folder than from the GGUF (Qwen2's NFC normalizer)
+        save_tokenizer(transformers_tokenizer(out), out)
 
 
 @contextmanager
@@ -276,14 +275,21 @@ class Dequantized:
     bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """What the engine reads of a model's generation config: the tokens that end a turn."""
+
+    eos_token_id: list[int]
+
+
 @dataclass(slots=True)
 class GgufModel:
     """What the engine reads of a model, for a GGUF file: config, dtype (of the activations and the KV
     cache), device, generation_config; and the file's tensors by their GGUF names."""
 
     path: Path
-    config: PretrainedConfig
-    generation_config: GenerationConfig
+    config: SimpleNamespace  # `read_config`
+    generation_config: Generation
     dtype: torch.dtype
     device: torch.device
     tensors: dict[str, Matrix]
@@ -329,24 +335,22 @@ def kv_cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float16 if runs_in_place(device) else compute_dtype(dtype, device)
 
 
-def open_model(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[GgufModel, PreTrainedTokenizerBase]:
+def open_model(path: Path, dtype: torch.dtype, device: torch.device
+               ) -> tuple[GgufModel, FileTokenizer | PreTrainedTokenizerBase]:
     """The file's tensors over a memory map, with its config and tokenizer.
 
     Where it runs in place (`runs_in_place`), every tensor of `quant.TYPES` stays the file's bytes, in a model
     that computes in `compute_dtype`; tensors of other types are dequantized once to bf16
     (`GgufModel.dequantized` lists them). Elsewhere (a GPU, no C compiler) every tensor is dequantized to
     `dtype` on `device`."""
-    from transformers import GenerationConfig
-
     header = read_header(path)
     config = read_config(path, header)
-    tokenizer = load_tokenizer(path, header, config)
-    generation = GenerationConfig.from_model_config(config)
-    eos = {config.eos_token_id} - {None}
+    tokenizer = load_tokenizer(path, header)
+    eos = {getattr(config, "eos_token_id", None)} - {None}
     # a chat model's turn may end on another token than its eos (Llama 3's <|eot_id|>)
     eos |= {header.metadata[key] for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
             if key in header.metadata}
-    generation.eos_token_id = sorted(eos)
+    generation = Generation(sorted(eos))
     in_place = runs_in_place(device)
     permuted = header.architecture in PERMUTED_QK
     file = np.memmap(path, dtype=np.uint8, mode="c")  # private pages: writable for torch, never written
@@ -402,7 +406,7 @@ def qk_order(heads: int, head_dim: int) -> torch.Tensor:
     return (torch.arange(heads)[:, None] * head_dim + within[None, :]).flatten()
 
 
-def _unpermute_rows(tensor: torch.Tensor, config: PretrainedConfig, name: str) -> torch.Tensor:
+def _unpermute_rows(tensor: torch.Tensor, config: SimpleNamespace, name: str) -> torch.Tensor:
     heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
     return tensor[qk_order(heads, tensor.shape[0] // heads)]
 

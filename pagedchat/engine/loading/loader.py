@@ -19,6 +19,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +27,7 @@ import torch
 from pagedchat.engine import models
 from pagedchat.engine.api.errors import one_line
 from pagedchat.engine.loading import gguf
+from pagedchat.engine.loading.tokenizer import FileTokenizer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -106,7 +108,7 @@ def _quiet_transformers() -> Iterator[None]:
 # --- checking a folder ------------------------------------------------------------------------------
 
 
-def check_model(path: Path, max_model_len: int | None = None) -> PretrainedConfig:
+def check_model(path: Path, max_model_len: int | None = None) -> PretrainedConfig | SimpleNamespace:
     """The model's config, after checking all that can be checked without loading the weights."""
     path = Path(path)
     if not path.exists():
@@ -158,7 +160,7 @@ def is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() == ".gguf"
 
 
-def _gguf_config(path: Path) -> PretrainedConfig:
+def _gguf_config(path: Path) -> SimpleNamespace:
     try:
         header = gguf.read_header(path)
     except gguf.GgufError as error:
@@ -243,7 +245,7 @@ def weights_bytes(path: Path, dtype: torch.dtype) -> int:
     return total
 
 
-def model_context_len(config: PretrainedConfig, max_model_len: int | None) -> int:
+def model_context_len(config: PretrainedConfig | SimpleNamespace, max_model_len: int | None) -> int:
     """The context the engine will give a sequence. Our attention attends to the whole context, so a
     model trained to see only a sliding window must not be given more than the window."""
     limit = config.max_position_embeddings
@@ -294,7 +296,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device
-               ) -> tuple[PreTrainedModel | gguf.GgufModel, PreTrainedTokenizerBase]:
+               ) -> tuple[PreTrainedModel | gguf.GgufModel, PreTrainedTokenizerBase | FileTokenizer]:
     """A folder's transformers model in `dtype` on `device`, or a GGUF's tensors where they lie
     (`gguf.open_model`: their own formats, computed in fp32 on a CPU), with the tokenizer."""
     if is_gguf(path):

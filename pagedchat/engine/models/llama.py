@@ -232,15 +232,17 @@ def _rotary_tables(config, max_positions: int, model: GgufModel, freq_factors: t
     family's modeling module itself would bring all of transformers' model code (~170 MB) into a process that
     runs a GGUF. A llama.cpp file of Llama 3 carries its rope scaling as a tensor of factors that divide the
     frequencies (`rope_freqs`), as llama.cpp applies them, rather than in its metadata."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     parameters = config.rope_parameters
     if parameters["rope_type"] == "default":
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         inv_freq = 1.0 / (parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         scaling = 1.0
     else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[parameters["rope_type"]](config)
+        from transformers import PretrainedConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        # the config's fields (`gguf.read_config`) in the class those functions read
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[parameters["rope_type"]](PretrainedConfig.from_dict(vars(config)))
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.float()
     freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq
