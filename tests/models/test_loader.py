@@ -274,6 +274,23 @@ def test_gguf_runs_in_place_with_its_tokenizer_cached(tiny_model, tmp_path, cach
     assert outputs[0] == outputs[1]
 
 
+def test_a_start_reads_the_gguf_header_once(tiny_model, tmp_path, monkeypatch):
+    """Checking the model, sizing the KV pool and loading it all read the header: parsed once (a vocabulary's
+    strings take tens of milliseconds to step over); a file written anew is parsed anew."""
+    from pagedchat import LLM
+
+    source = write_gguf(tiny_model, tmp_path / "tiny.gguf")
+    parse, parsed = gguf_loading._parse_header, []
+    monkeypatch.setattr(gguf_loading, "_parse_header", lambda buffer: parsed.append(1) or parse(buffer))
+    LLM(model=str(source), device="cpu", num_kv_blocks=16)
+    assert len(parsed) == 1
+    gguf_loading.read_header(source)
+    assert len(parsed) == 1
+    write_gguf(tiny_model, source)  # the same bytes, a new mtime
+    gguf_loading.read_header(source)
+    assert len(parsed) == 2
+
+
 def forbid_reading_metadata(monkeypatch) -> None:
     """From now on in this test, reading a GGUF's config or tokenizer through transformers fails the test: they
     must come from the cache."""
