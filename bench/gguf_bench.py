@@ -113,7 +113,8 @@ def section(args, measured: dict, seconds: float) -> Section:
     constructs = {key: smallest(m["runs"]["pagedchat"], "construct_s") for key, m in measured.items()}
     notes.append("Of pagedchat's load, the engine's own construction (the file mapped, its tokenizer read): "
                  + ", ".join(f"{s} {t} {c:.2f} s" for (s, t), c in constructs.items() if c is not None)
-                 + "; the rest is the interpreter and its imports (torch above all; a second start imports no transformers).")
+                 + "; the rest is the interpreter and its imports (torch above all; a second start imports no "
+                   "transformers).")
     notes += errors
     notes.append("Logits: " + gguf_logits.__doc__.split("\n\n")[2].replace("\n", " "))
     logits = gguf_logits.table({key: (m["path"], m["logits"]) for key, m in measured.items()})

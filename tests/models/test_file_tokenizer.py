@@ -9,13 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jinja2.exceptions import SecurityError, TemplateError
-from transformers import AutoTokenizer, PretrainedConfig
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from pagedchat.engine.loading import gguf as gguf_loading
 from pagedchat.engine.chat import chat_prompt
+from pagedchat.engine.loading import gguf as gguf_loading
 from pagedchat.engine.loading import loader
-from pagedchat.engine.loading.tokenizer import FileTokenizer, _compiled
+from pagedchat.engine.loading.tokenizer import FileTokenizer, _compiled, transformers_tokenizer
 from test_gguf_model import write_tiny_gguf
 
 FILES = ["default", "llama", "qwen2", "qwen3"]
@@ -43,11 +42,11 @@ def folder(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pair(folder):
-    """(pagedchat's tokenizer, transformers' as pagedchat loaded it before: given the config, AutoTokenizer
-    loads no family config class, whose import would find the checkout's kernels/ for transformers' own)."""
+    """(pagedchat's tokenizer, transformers' as pagedchat loaded it before: its AutoTokenizer given the config,
+    so that it loads no family config class, whose import would find the checkout's kernels/)."""
     ours = FileTokenizer.load(folder)
     assert ours is not None, "a fast tokenizer that cleans up no spaces: FileTokenizer stands in for it"
-    return ours, AutoTokenizer.from_pretrained(folder, config=PretrainedConfig.from_json_file(folder / "config.json"))
+    return ours, transformers_tokenizer(folder)
 
 
 @CHECKS
