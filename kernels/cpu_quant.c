@@ -10,9 +10,9 @@
  * per block (once per 256 values for the K-quants, whose sub-block scales are integers applied by madd).
  *
  * The weight rows are split between the OpenMP threads in contiguous ranges; a thread takes its range in
- * tiles small enough to stay in L2, and multiplies each row of a tile against MR rows of x at a time (their
- * bytes stay in L1 across the tile), so the weights are read from memory once a call whatever M is, and each
- * weight block is unpacked once per MR rows of x.
+ * tiles small enough to stay in L2, and multiplies each row of a tile against MR rows of x at a time, a piece
+ * of K at a time (the piece's bytes of x stay in L1 across the tile), so the weights are read from memory
+ * once a call whatever M is, and each weight block is unpacked once per MR rows of x.
  *
  * One file, built per instruction set: with -mavx2 -mfma -mf16c the AVX2 kernels below (with VNNI, their
  * byte products in vpdpbusd); with AVX-512 as well, the many-row kernels take two blocks at once in 512-bit
@@ -44,6 +44,14 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* ggml
 #endif
 #define MR_SMALL 8
 #define TILE_BYTES 65536  /* the weight bytes of a tile (L2-resident while all of x passes over it) */
+/* The bytes of x's rows in a pass over a tile, L1-resident while the tile's rows pass (`acts`). The AVX-512
+ * builds take x whole, as before pieces: there (16 rows a pass, a piece's 512-bit sums reduced at its end)
+ * pieces have not been measured yet. */
+#if MR == 16
+#define X_PIECE_BYTES 0
+#else
+#define X_PIECE_BYTES 16384
+#endif
 #define ALWAYS static inline __attribute__((always_inline))
 /* One row's K-quant kernels ask for the weights' cache lines this far ahead of the block they reach: with the
  * hardware's prefetcher alone a chat's decode read its weights well short of memory's pace (bench/RESULTS.md).
@@ -65,12 +73,16 @@ _Static_assert(sizeof(block_q4_K) == 144 && sizeof(block_q5_K) == 176 && sizeof(
 /* x quantized: q [M, K] (for Q4_0 and Q4_1 in the AVX2 build, each pair of blocks in the order that
  * q4_pair_step reads) and its blocks' d [M, K / 32 or 256]; for all but Q6_K, ds [M, K / 32], the block's d
  * times the sum of each 32 (which Q4_0's offset, Q4_1's m and the mins of Q4_K and Q5_K multiply); for Q6_K,
- * the sums of each 16 [M, K / 16] (which its offset times its scales multiply) */
+ * the sums of each 16 [M, K / 16] (which its offset times its scales multiply).
+ * Held in pieces of `span` values of K, piece by piece (all M rows of the first, then of the second, ...):
+ * a piece is an `acts` of its own (piece_of), and the products take x a piece at a time, so that the rows of
+ * x a pass multiplies stay in L1 however deep K is (8 rows of an 8192-deep down projection are 64 KB). */
 typedef struct {
     int8_t *q;
     float *d, *ds;
     int16_t *sums16;
-    int64_t M, K;
+    int64_t M, K, span;
+    int qb;
 } acts;
 
 static int block_values(int type) { return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32; }
@@ -312,12 +324,13 @@ static void pair_blocks(int8_t *q, int64_t K) {
 #endif
 #endif
 
-static void quantize_acts(const void *x, int kind, int64_t m, const acts *a, int type) {
+/* Row m of x's piece a from its K values at x */
+static void quantize_piece(const void *x, int kind, int64_t m, const acts *a, int type) {
     const int64_t K = a->K;
     const int qb = block_values(type);
     int8_t *q = a->q + m * K;
     float *d = a->d + m * (K / qb);
-    quantize_row((const char *)x + m * K * (kind == KIND_FP32 ? 4 : 2), kind, K, qb, q, d);
+    quantize_row(x, kind, K, qb, q, d);
     if (type != Q6_K)
         for (int64_t b = 0; b < K / 32; b++) {
             int s = 0;
@@ -345,6 +358,21 @@ static void quantize_acts(const void *x, int kind, int64_t m, const acts *a, int
             memcpy(q + 32 * b + 32, swap, 16);
         }
 #endif
+}
+
+/* The piece of x's pieces that holds values c * span.. of each row, as an `acts` of its own */
+static acts piece_of(const acts *a, int64_t c) {
+    const int64_t k0 = c * a->span, K = a->K - k0 < a->span ? a->K - k0 : a->span, at = a->M * k0;
+    return (acts){a->q + at, a->d + at / a->qb, a->ds + at / 32, a->sums16 + at / 16, a->M, K, K, a->qb};
+}
+
+/* Row m of x into each piece of a */
+static void quantize_acts(const void *x, int kind, int64_t m, const acts *a, int type) {
+    const int64_t elem = kind == KIND_FP32 ? 4 : 2;
+    for (int64_t k0 = 0; k0 < a->K; k0 += a->span) {
+        const acts p = piece_of(a, k0 / a->span);
+        quantize_piece((const char *)x + (m * a->K + k0) * elem, kind, m, &p, type);
+    }
 }
 
 /* Each kernel: y[r * ldy] = weight row w . x row m0 + r, for r < mr (at most MR), mr a constant where the
@@ -931,12 +959,19 @@ ALWAYS void rows_q4_1(const uint8_t *w, const acts *a, int64_t m0, const int mr,
 
 #endif
 
-/* `rows` weight rows (row_bytes apart) against rows m0..m0 + mr of x, into y[r * ldy + n] */
+/* `rows` weight rows (row_bytes apart) against rows m0..m0 + mr of x's piece a, into y[r * ldy + n], or added
+ * to it (`add`: a piece after the first) */
 typedef void (*tile_fn)(const uint8_t *w, int64_t row_bytes, int64_t rows, const acts *a, int64_t m0, int mr,
-                        float *y, int64_t ldy);
+                        float *y, int64_t ldy, int add);
 
-#define TILE_CASE(kernel, k) \
-    case k: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, k, y + n, ldy); break;
+#define TILE_CASE(kernel, k)                                                                                 \
+    case k:                                                                                                  \
+        for (int64_t n = 0; n < rows; n++) {                                                                 \
+            float part[MR];                                                                                  \
+            kernel(w + n * row_bytes, a, m0, k, part, 1);                                                    \
+            for (int r = 0; r < k; r++) y[r * ldy + n] = add ? y[r * ldy + n] + part[r] : part[r];           \
+        }                                                                                                    \
+        break;
 #if MR == 16
 #define WIDE_CASES(kernel)                                                                                   \
     TILE_CASE(kernel, 8) TILE_CASE(kernel, 9) TILE_CASE(kernel, 10) TILE_CASE(kernel, 11)                    \
@@ -946,11 +981,11 @@ typedef void (*tile_fn)(const uint8_t *w, int64_t row_bytes, int64_t rows, const
 #endif
 #define TILE(name, kernel)                                                                                   \
     static void name(const uint8_t *w, int64_t row_bytes, int64_t rows, const acts *a, int64_t m0, int mr,   \
-                     float *y, int64_t ldy) {                                                                \
+                     float *y, int64_t ldy, int add) {                                                       \
         switch (mr) {                                                                                        \
         TILE_CASE(kernel, 1) TILE_CASE(kernel, 2) TILE_CASE(kernel, 3) TILE_CASE(kernel, 4)                  \
         TILE_CASE(kernel, 5) TILE_CASE(kernel, 6) TILE_CASE(kernel, 7) WIDE_CASES(kernel)                    \
-        default: for (int64_t n = 0; n < rows; n++) kernel(w + n * row_bytes, a, m0, MR, y + n, ldy);        \
+        default: TILE_CASE(kernel, MR)                                                                       \
         }                                                                                                    \
     }
 _Static_assert(MR == 8 || MR == 16, "TILE instantiates mr = 1..MR");
@@ -972,11 +1007,17 @@ static tile_fn tile_for(int type) {
     }
 }
 
-/* The scratch of x quantized for `type`: M rows of K */
+/* The scratch of x quantized for `type`: M rows of K, in pieces whose rows of a pass fit X_PIECE_BYTES (a
+ * multiple of 512 values, for the AVX-512 kernels' pairs of blocks); one piece for a single row, whose kernels
+ * stream the weights row by row */
 static int acts_alloc(acts *a, int64_t M, int64_t K, int type) {
     const int qb = block_values(type);
+    const int64_t pass = M < (qb == 256 ? MR : MR_SMALL) ? M : (qb == 256 ? MR : MR_SMALL);
+    const int64_t span = X_PIECE_BYTES / pass / 512 * 512;
     a->M = M;
     a->K = K;
+    a->qb = qb;
+    a->span = M == 1 || X_PIECE_BYTES == 0 || span >= K ? K : span > 512 ? span : 512;
     void *bytes;  /* on a cache line, as x's rows then are (K a multiple of 32): a load of 32 never straddles two */
     if (posix_memalign(&bytes, 64, M * K + sizeof(float) * (M * K / qb + M * K / 32) + sizeof(int16_t) * (M * K / 16)))
         return 1;
@@ -1008,12 +1049,16 @@ static void run_products(const product *p, int count, int64_t M) {
         const int64_t end = begin + share < p[i].N ? begin + share : p[i].N;
         const int64_t tile_rows = TILE_BYTES / row_bytes > 4 ? TILE_BYTES / row_bytes : 4;
         const tile_fn tile = tile_for(p[i].type);
-        const int64_t pass = block_values(p[i].type) == 256 ? MR : MR_SMALL;
+        const int64_t pass = block_values(p[i].type) == 256 ? MR : MR_SMALL, span = p[i].a->span;
+        const int64_t piece_bytes = span / block_values(p[i].type) * block_bytes(p[i].type);
         for (int64_t n0 = begin; n0 < end; n0 += tile_rows) {
             const int64_t rows = n0 + tile_rows < end ? tile_rows : end - n0;
             for (int64_t m0 = 0; m0 < M; m0 += pass)
-                tile(p[i].w + n0 * row_bytes, row_bytes, rows, p[i].a, m0, M - m0 < pass ? M - m0 : pass,
-                     p[i].y + m0 * p[i].ldy + n0, p[i].ldy);
+                for (int64_t c = 0; c * span < p[i].a->K; c++) {
+                    const acts piece = piece_of(p[i].a, c);
+                    tile(p[i].w + n0 * row_bytes + c * piece_bytes, row_bytes, rows, &piece, m0,
+                         M - m0 < pass ? M - m0 : pass, p[i].y + m0 * p[i].ldy + n0, p[i].ldy, c > 0);
+                }
         }
     }
 }

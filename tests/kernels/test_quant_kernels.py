@@ -81,6 +81,19 @@ def test_linear_matches_dequantized_product(isa: str, ggml_type: int, data: st.D
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: GGMLQuantizationType(t).name)
+@pytest.mark.parametrize("rows", [3, 9, 16])
+def test_deep_products_sum_their_pieces(isa: str, ggml_type: int, rows: int) -> None:
+    """x deeper than a pass keeps in L1 is multiplied a piece of K at a time and the pieces' sums added:
+    6,144 values and 3 blocks more, so the last piece is short and holds an odd count of blocks"""
+    block = GGML_QUANT_SIZES[ggml_type][0]
+    depth, rng = 6144 + 3 * block, np.random.default_rng(rows * 1000 + ggml_type)
+    raw = random_weight(rng, ggml_type, 37, depth)
+    x = torch.from_numpy(rng.standard_normal((rows, depth), dtype=np.float32))
+    check_product(quant.linear(x, torch.from_numpy(raw), ggml_type, depth, isa=isa), x, raw, ggml_type)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: GGMLQuantizationType(t).name)
 @settings(max_examples=3, deadline=None)
