@@ -34,7 +34,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagedchat.engine.layers.quantized import Matrix, QuantizedWeight
-from pagedchat.engine.loading.tokenizer import FileTokenizer, transformers_tokenizer
+from pagedchat.engine.loading.tokenizer import FileTokenizer, quiet_transformers, transformers_tokenizer
 from pagedchat.engine.loading.tokenizer import save as save_tokenizer
 from pagedchat.kernels import quant
 
@@ -226,7 +226,7 @@ def _write_config_and_tokenizer(path: Path, header: Header, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
     from transformers import modeling_gguf_pytorch_utils as gguf_loading
 
-    with _quiet_transformers(), _read_gguf_once():
+    with quiet_transformers(), _read_gguf_once():
         try:
             fields = gguf_loading.load_gguf_checkpoint(str(path), return_tensors=False)["config"]
             fields.pop("_model_name_or_path", None)
@@ -258,18 +258,6 @@ def _read_gguf_once() -> Iterator[None]:
 
     with mock.patch.object(gguf, "GGUFReader", reader):
         yield
-
-
-@contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    from transformers.utils import logging
-
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(verbosity)
 
 
 # --- the weights ----------------------------------------------------------------------------------------------

@@ -16,8 +16,6 @@ import os
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -27,7 +25,7 @@ import torch
 from pagedchat.engine import models
 from pagedchat.engine.api.errors import one_line
 from pagedchat.engine.loading import gguf
-from pagedchat.engine.loading.tokenizer import FileTokenizer
+from pagedchat.engine.loading.tokenizer import FileTokenizer, quiet_transformers
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -87,22 +85,6 @@ def installed_default_model() -> Path | None:
         if (file := Path(folder) / DEFAULT_MODEL_FILE).is_file():
             return file
     return None
-
-
-@contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """No progress bars or advice from transformers while we load (errors still raise)."""
-    from transformers.utils import logging
-
-    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(verbosity)
-        if bars:
-            logging.enable_progress_bar()
 
 
 # --- checking a folder ------------------------------------------------------------------------------
@@ -311,7 +293,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
             tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as error:  # a bad file shows up as OSError, SafetensorError, RuntimeError, ...

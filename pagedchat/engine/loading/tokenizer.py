@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -105,11 +107,30 @@ class FileTokenizer:
     def __len__(self) -> int:
         return len(self.transformers)
 
+    def __bool__(self) -> bool:  # else truth would ask __len__, which loads transformers' tokenizer
+        return True
+
 
 def _plain(conversation) -> bool:
     return bool(conversation) and all(
         isinstance(message, dict) and message.keys() <= {"role", "content"}
         and all(isinstance(value, str) for value in message.values()) for message in conversation)
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """No progress bars or advice from transformers while a model or a tokenizer loads (errors still raise)."""
+    from transformers.utils import logging
+
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
 
 
 def transformers_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
