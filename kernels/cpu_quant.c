@@ -1008,8 +1008,8 @@ static tile_fn tile_for(int type) {
 }
 
 /* The scratch of x quantized for `type`: M rows of K, in pieces whose rows of a pass fit X_PIECE_BYTES (a
- * multiple of 512 values, for the AVX-512 kernels' pairs of blocks); one piece for a single row, whose kernels
- * stream the weights row by row */
+ * multiple of 512 values: whole pairs of any type's blocks, as the pair kernels take them); one piece for a
+ * single row, whose kernels stream the weights row by row */
 static int acts_alloc(acts *a, int64_t M, int64_t K, int type) {
     const int qb = block_values(type);
     const int64_t pass = M < (qb == 256 ? MR : MR_SMALL) ? M : (qb == 256 ? MR : MR_SMALL);
