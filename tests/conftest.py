@@ -11,8 +11,12 @@ os.environ.setdefault("PAGEDCHAT_COMPILE", "0")  # the tests that compile ask fo
 # installed package (whose `pagedchat.kernels` the source folder lacks).
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
-import pytest
-from support.models import ARCHITECTURES, build_tiny_model
+from pagedchat.checkout import put_last_on_sys_path  # noqa: E402
+
+put_last_on_sys_path()  # `python -m pytest` in the repo root put the checkout first, where its kernels/ hides `kernels`
+
+import pytest  # noqa: E402
+from support.models import ARCHITECTURES, build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
