@@ -42,8 +42,7 @@ def folder(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pair(folder):
-    """(pagedchat's tokenizer, transformers' as pagedchat loaded it before: its AutoTokenizer given the config,
-    so that it loads no family config class, whose import would find the checkout's kernels/)."""
+    """(pagedchat's tokenizer, transformers' as pagedchat loaded it before: `transformers_tokenizer`)."""
     ours = FileTokenizer.load(folder)
     assert ours is not None, "a fast tokenizer that cleans up no spaces: FileTokenizer stands in for it"
     return ours, transformers_tokenizer(folder)
