@@ -20,6 +20,7 @@ import pstats
 from pathlib import Path
 
 from bench.common import Accumulator, Section, Table, arg_parser, start, load_llm, random_requests, stopwatch
+from pagedchat.engine.config import DEFAULT_NUM_KV_BLOCKS, EngineArgs
 from pagedchat.kernels import cpu_attention, quant
 
 PARTS = ("before attention (norm, q/k/v, rotary)", "attention", "after attention (o_proj, MLP)", "logits")
@@ -27,16 +28,25 @@ PARTS = ("before attention (norm, q/k/v, rotary)", "attention", "after attention
 OWN_CODE = (f"{Path('pagedchat', 'engine')}", "kernels")
 
 
+def reply_tokens(running: int, steps: int, prompt: int) -> int:
+    """Tokens each request generates: the measured steps and the profiled ones, and those the first requests
+    decode while the last prompts are still prefilled, a chunk of them a step."""
+    return steps + 8 + -(-running * prompt // EngineArgs().max_num_batched_tokens)
+
+
 def decode_steps(llm, running: int, steps: int, prompt: int, profile: cProfile.Profile | None = None) -> dict:
     from pagedchat import SamplingParams
 
     engine = llm.engine
+    reply = reply_tokens(running, steps, prompt)
     for i, r in enumerate(random_requests(running, (prompt, prompt), (1, 1), seed=running,
                                                   vocab=engine.runner.model.config.vocab_size)):
-        engine.add_request(f"d{running}-{i}", r.prompt, SamplingParams(temperature=0.0, max_tokens=steps + 8,
+        engine.add_request(f"d{running}-{i}", r.prompt, SamplingParams(temperature=0.0, max_tokens=reply,
                                                                       ignore_eos=True))
     while any(item.num_uncomputed > 1 for item in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill (the first decode step may come along; it is not measured)
+    if len(engine.scheduler.running) != running:
+        raise SystemExit(f"{len(engine.scheduler.running)} of {running} requests running: the KV pool is too small")
     model = engine.runner.lean
     runner_forward, model_forward = Accumulator(engine.runner.forward), Accumulator(model.forward)
     engine.runner.forward, model.forward = runner_forward, model_forward
@@ -97,7 +107,9 @@ def own_code_profile(profile: cProfile.Profile, top: int = 8) -> tuple[Table, fl
 
 def step_overhead_section(model: str | None, dtype: str, running=(1, 32), steps: int = 10, prompt: int = 128) -> Section:
     with stopwatch() as t:
-        llm = load_llm(model, dtype, compile=False)
+        # a pool for every request's prompt and reply (and the warm-up's), so that all of them run each step
+        each = -(-(prompt + reply_tokens(max(running), steps, prompt)) // EngineArgs().block_size)
+        llm = load_llm(model, dtype, compile=False, num_kv_blocks=max(DEFAULT_NUM_KV_BLOCKS, max(running) * each + 8))
         decode_steps(llm, 1, 2, 16)  # warm-up: first calls allocate
         profile = cProfile.Profile()
         results = [decode_steps(llm, n, steps, prompt, profile if n == max(running) else None) for n in running]
@@ -130,9 +142,10 @@ def main() -> None:
     parser = arg_parser(__doc__, ["bfloat16", "float32"])
     parser.add_argument("--running", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--prompt", type=int, default=128, help="each request's prompt, tokens (its context)")
     args = start(parser)
     for dtype in args.dtype:
-        print(step_overhead_section(args.model, dtype, tuple(args.running), args.steps).markdown())
+        print(step_overhead_section(args.model, dtype, tuple(args.running), args.steps, args.prompt).markdown())
 
 
 if __name__ == "__main__":

@@ -3,18 +3,21 @@
  * the queries' dtype (`kind`: bf16, fp16 or fp32). The cache is of `cache_kind`: one of those, or an 8-bit
  * cache (kernels/kv_quant.py: each slot's head a row of D int8 or fp8 e4m3 values and its fp32 scale), whose
  * scales are taken once per key: a key's after its dot with the query, a value's into its softmax weight.
- * Each (sequence, KV head) is one task for the OpenMP threads (torch's own libgomp, as many as the caller
- * says): its group of query heads, up to 4 at a time, shares each load (and widening) of a key and a value.
- * D must be a multiple of 8.
+ * Each sequence is one task for the OpenMP threads (torch's own libgomp, as many as the caller says), or a share
+ * of its KV heads where the sequences are fewer than twice the threads: a task reads its slots' heads as one
+ * contiguous span each, in order (one head's rows alone are a short run every Hkv rows, and were read at half
+ * the rate). Each KV head's group of query heads, up to 4 at a time, shares each load (and widening) of a key
+ * and a value. D must be a multiple of 8.
  */
 #include <math.h>
 #include <stdlib.h>
 
 #include "avx2.h"
 
-/* The keys and values of a step's sequences are scattered over the pool, mostly beyond the caches: a row is
- * prefetched AHEAD rows before it is read */
-#define AHEAD 8
+/* The keys and values of a step's sequences are scattered over the pool, mostly beyond the caches: a slot's span
+ * is prefetched AHEAD slots before its keys are read, and a tile's values while the tile before it is summed */
+#define AHEAD 2
+#define TILE 16  /* slots whose values stay in L1 across their passes over d */
 #define GROUP_CHUNK 4  /* query heads that share each load of a key or value (a KV head's group, in chunks) */
 
 enum { KIND_INT8 = 3, KIND_FP8 = 4 };  /* past avx2.h's kinds: the 8-bit caches */
@@ -84,27 +87,27 @@ static void store_row(void *cache, int64_t to, int cache_kind, const void *row, 
     memcpy(bytes + head_dim, &scale, sizeof scale);
 }
 
-static inline void prefetch_row(const void *cache, int64_t at, int kind, int64_t head_dim) {
+/* `count` elements of the cache from element `at` into L1 */
+static inline void prefetch_span(const void *cache, int64_t at, int64_t count, int kind) {
     const int64_t size = kind == KIND_FP32 ? 4 : kind >= KIND_INT8 ? 1 : 2;
-    for (int64_t b = 0; b < head_dim * size; b += 64) _mm_prefetch((const char *)cache + at * size + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < count * size; b += 64) _mm_prefetch((const char *)cache + at * size + b, _MM_HINT_T0);
 }
 
-/* scores[g][l] = q[g] . key l for the chunk's n query heads (rows of D in q), for the keys at offsets `at` of
- * the cache: each key is loaded (and widened) once for all n heads, which share it. n is a constant where this
- * is inlined, so the sums stay in registers. */
-static inline __attribute__((always_inline)) void chunk_scores(const float *q, const void *cache, int kind,
-                                                               const int64_t *at, int64_t len, int64_t head_dim,
-                                                               const int n, float *scores) {
-    for (int64_t l = 0; l < len; l++) {
-        if (l + AHEAD < len) prefetch_row(cache, at[l + AHEAD], kind, head_dim);
-        __m256 acc[GROUP_CHUNK];
-        for (int g = 0; g < n; g++) acc[g] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < head_dim; d += 8) {
-            const __m256 key = cache8(cache, at[l] + d, kind);
-            for (int g = 0; g < n; g++) acc[g] = _mm256_fmadd_ps(key, _mm256_loadu_ps(q + g * head_dim + d), acc[g]);
-        }
-        for (int g = 0; g < n; g++) scores[g * len + l] = sum8(acc[g]);
+/* scores[g * stride] = q[g] . the key at element `at` of the cache, for n query heads (rows of D in q) that
+ * share it: the key is loaded (and widened) once for all n. n is a constant where this is inlined, so the sums
+ * stay in registers. */
+static inline __attribute__((always_inline)) void key_scores(const float *q, const void *cache, int kind, int64_t at,
+                                                             int64_t head_dim, const int n, float *scores,
+                                                             int64_t stride) {
+    __m256 acc[GROUP_CHUNK];
+    for (int g = 0; g < GROUP_CHUNK; g++) acc[g] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 8) {
+        const __m256 key = cache8(cache, at + d, kind);
+        for (int g = 0; g < n; g++) acc[g] = _mm256_fmadd_ps(key, _mm256_loadu_ps(q + g * head_dim + d), acc[g]);
     }
+    float sums[4];
+    _mm_storeu_ps(sums, sum8x4(acc[0], acc[1], acc[2], acc[3]));
+    for (int g = 0; g < n; g++) scores[g * stride] = sums[g];
 }
 
 /* scores become e^(score - max); returns their sum */
@@ -122,20 +125,23 @@ static float exponentiate(float *scores, int64_t len) {
     return total + sum8(sums);
 }
 
-/* o[g][d] = sum over l of p[g][l] * value l [d] for the chunk's n heads, 16 (then 8) lanes of d at a time:
- * each value loaded (and widened) once for all n heads */
-static inline __attribute__((always_inline)) void chunk_values(const float *p, const void *cache, int kind,
-                                                               const int64_t *at, int64_t len, int64_t head_dim,
-                                                               const int n, float *o) {
+/* o[g][d] (+)= sum over the tile's m values l of p[g * stride + l] * value l [d], for n query heads, 16 (then
+ * 8) lanes of d at a time: each value loaded (and widened) once for all n; the values at elements at[l] + off.
+ * The tile's rows stay in L1 across its passes over d. */
+static inline __attribute__((always_inline)) void tile_values(const float *p, int64_t stride, const void *cache,
+                                                              int kind, const int64_t *at, int64_t off, int64_t m,
+                                                              int64_t head_dim, const int n, int add, float *o) {
     int64_t d = 0;
     for (; d + 16 <= head_dim; d += 16) {
         __m256 a[GROUP_CHUNK], b[GROUP_CHUNK];
-        for (int g = 0; g < n; g++) a[g] = b[g] = _mm256_setzero_ps();
-        for (int64_t l = 0; l < len; l++) {
-            if (d == 0 && l + AHEAD < len) prefetch_row(cache, at[l + AHEAD], kind, head_dim);
-            const __m256 v0 = cache8(cache, at[l] + d, kind), v1 = cache8(cache, at[l] + d + 8, kind);
+        for (int g = 0; g < n; g++) {
+            a[g] = add ? _mm256_loadu_ps(o + g * head_dim + d) : _mm256_setzero_ps();
+            b[g] = add ? _mm256_loadu_ps(o + g * head_dim + d + 8) : _mm256_setzero_ps();
+        }
+        for (int64_t l = 0; l < m; l++) {
+            const __m256 v0 = cache8(cache, at[l] + off + d, kind), v1 = cache8(cache, at[l] + off + d + 8, kind);
             for (int g = 0; g < n; g++) {
-                const __m256 weight = _mm256_set1_ps(p[g * len + l]);
+                const __m256 weight = _mm256_broadcast_ss(p + g * stride + l);
                 a[g] = _mm256_fmadd_ps(weight, v0, a[g]);
                 b[g] = _mm256_fmadd_ps(weight, v1, b[g]);
             }
@@ -147,24 +153,24 @@ static inline __attribute__((always_inline)) void chunk_values(const float *p, c
     }
     for (; d < head_dim; d += 8) {
         __m256 a[GROUP_CHUNK];
-        for (int g = 0; g < n; g++) a[g] = _mm256_setzero_ps();
-        for (int64_t l = 0; l < len; l++) {
-            const __m256 v = cache8(cache, at[l] + d, kind);
-            for (int g = 0; g < n; g++) a[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * len + l]), v, a[g]);
+        for (int g = 0; g < n; g++) a[g] = add ? _mm256_loadu_ps(o + g * head_dim + d) : _mm256_setzero_ps();
+        for (int64_t l = 0; l < m; l++) {
+            const __m256 v = cache8(cache, at[l] + off + d, kind);
+            for (int g = 0; g < n; g++) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * stride + l), v, a[g]);
         }
         for (int g = 0; g < n; g++) _mm256_storeu_ps(o + g * head_dim + d, a[g]);
     }
 }
 
-/* chunk_scores and chunk_values for n = 1..GROUP_CHUNK, each inlined with its n */
+/* key_scores and tile_values for n = 1..GROUP_CHUNK, each inlined with its n */
 #define CHUNK_CASES(call) \
     switch (n) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; default: call(4); }
 
 /* query [S] rows at query + rows[s] * q_stride (Hq heads of D); out likewise at out + rows[s] * out_stride;
  * caches [blocks, block_size, Hkv, D]; block_tables [S, table_width]. Where `key`, each task first stores
- * its head of the sequence's new key and value (rows of Hkv heads at key + rows[s] * key_stride, value
- * likewise) in their slot, slots[rows[s]]: the new token's slot lies in a block of its own sequence's,
- * which no other task reads. */
+ * its heads of the sequence's new key and value (rows of Hkv heads at key + rows[s] * key_stride, value
+ * likewise) in their slot, slots[rows[s]]: the new token's slot lies in a block of its own sequence's, whose
+ * other tasks read other heads. */
 int pagedchat_decode_attention(const void *query, int64_t q_stride, const int64_t *rows, const void *key_cache,
                                 const void *value_cache, const int32_t *block_tables, int64_t table_width,
                                 const int32_t *seq_lens, int64_t num_seqs, int64_t num_q_heads,
@@ -175,20 +181,27 @@ int pagedchat_decode_attention(const void *query, int64_t q_stride, const int64_
     const int64_t group = num_q_heads / num_kv_heads;
     const int quantized = cache_kind >= KIND_INT8;
     const int64_t row = quantized ? head_dim + SCALE_BYTES : head_dim;  /* a cache row's elements */
+    /* a task is a sequence's KV heads, or a share of them where there are too few sequences for the threads */
+    int64_t parts = (2 * threads + num_seqs - 1) / num_seqs;
+    parts = parts < 1 ? 1 : parts > num_kv_heads ? num_kv_heads : parts;
     int failed = 0;
     #pragma omp parallel for num_threads(threads) schedule(dynamic)
-    for (int64_t task = 0; task < num_seqs * num_kv_heads; task++) {
-        const int64_t s = task / num_kv_heads, h = task % num_kv_heads, len = seq_lens[s];
+    for (int64_t task = 0; task < num_seqs * parts; task++) {
+        const int64_t s = task / parts, part = task % parts, len = seq_lens[s];
+        const int64_t h0 = part * num_kv_heads / parts, h1 = (part + 1) * num_kv_heads / parts;
+        const int64_t kv_heads = h1 - h0, heads = kv_heads * group, span = kv_heads * row;
         const int32_t *table = block_tables + s * table_width;
-        if (key) {
-            const int64_t to = (slots[rows[s]] * num_kv_heads + h) * row;
-            store_row((void *)key_cache, to, cache_kind, key, rows[s] * key_stride + h * head_dim, kind, head_dim);
-            store_row((void *)value_cache, to, cache_kind, value, rows[s] * value_stride + h * head_dim, kind,
-                      head_dim);
-        }
+        if (key)
+            for (int64_t h = h0; h < h1; h++) {
+                const int64_t to = (slots[rows[s]] * num_kv_heads + h) * row;
+                store_row((void *)key_cache, to, cache_kind, key, rows[s] * key_stride + h * head_dim, kind,
+                          head_dim);
+                store_row((void *)value_cache, to, cache_kind, value, rows[s] * value_stride + h * head_dim, kind,
+                          head_dim);
+            }
         int64_t *at = malloc(sizeof(int64_t) * len);
-        /* the chunk's queries and outputs, its scores, and an 8-bit cache's key and value scales */
-        float *q = malloc(sizeof(float) * (2 * GROUP_CHUNK * head_dim + (GROUP_CHUNK + 2) * len));
+        /* the task's queries and outputs, their scores and sums, and an 8-bit cache's key and value scales */
+        float *q = malloc(sizeof(float) * (2 * heads * head_dim + heads * (len + 1) + 2 * kv_heads * len));
         if (!at || !q) {  /* the other tasks still run: an error is reported once all have */
             free(at);
             free(q);
@@ -196,43 +209,65 @@ int pagedchat_decode_attention(const void *query, int64_t q_stride, const int64_
             failed = 1;
             continue;
         }
-        float *o = q + GROUP_CHUNK * head_dim, *scores = o + GROUP_CHUNK * head_dim;
-        float *key_scales = scores + GROUP_CHUNK * len, *value_scales = key_scales + len;
+        float *o = q + heads * head_dim, *scores = o + heads * head_dim, *total = scores + heads * len;
+        float *key_scales = total + heads, *value_scales = key_scales + kv_heads * len;
         for (int64_t b = 0, l = 0; l < len; b++)  /* block by block: a division a key costs as much as its dot */
             for (int64_t i = 0; i < block_size && l < len; i++, l++)
-                at[l] = (((int64_t)table[b] * block_size + i) * num_kv_heads + h) * row;
+                at[l] = (((int64_t)table[b] * block_size + i) * num_kv_heads + h0) * row;
+        for (int64_t l = 0; l < (len < AHEAD ? len : AHEAD); l++) prefetch_span(key_cache, at[l], span, cache_kind);
+        for (int64_t j = 0; j < heads; j++) {
+            const int64_t head = rows[s] * q_stride + (h0 * group + j) * head_dim;
+            for (int64_t d = 0; d < head_dim; d += 8)
+                _mm256_storeu_ps(q + j * head_dim + d,
+                                 _mm256_mul_ps(_mm256_set1_ps(scale), load8(query, head + d, kind)));
+        }
+        /* the keys slot by slot, each slot's heads of the task one contiguous span of the cache */
+        for (int64_t l = 0; l < len; l++) {
+            if (l + AHEAD < len) prefetch_span(key_cache, at[l + AHEAD], span, cache_kind);
+            for (int64_t h = 0; h < kv_heads; h++)
+                for (int64_t first = 0; first < group; first += GROUP_CHUNK) {
+                    const int n = group - first < GROUP_CHUNK ? (int)(group - first) : GROUP_CHUNK;
+                    const int64_t j = h * group + first;
+#define SCORES(N) \
+    key_scores(q + j * head_dim, key_cache, cache_kind, at[l] + h * row, head_dim, N, scores + j * len + l, len)
+                    CHUNK_CASES(SCORES)
+                }
+        }
+        for (int64_t l = 0; l < (len < TILE ? len : TILE); l++) prefetch_span(value_cache, at[l], span, cache_kind);
         if (quantized)
-            for (int64_t l = 0; l < len; l++) {
-                key_scales[l] = row_scale(key_cache, at[l], head_dim);
-                value_scales[l] = row_scale(value_cache, at[l], head_dim);
-            }
-        for (int64_t first = 0; first < group; first += GROUP_CHUNK) {
-            const int n = group - first < GROUP_CHUNK ? (int)(group - first) : GROUP_CHUNK;
-            for (int g = 0; g < n; g++) {
-                const int64_t head = rows[s] * q_stride + (h * group + first + g) * head_dim;
-                for (int64_t d = 0; d < head_dim; d += 8)
-                    _mm256_storeu_ps(q + g * head_dim + d,
-                                     _mm256_mul_ps(_mm256_set1_ps(scale), load8(query, head + d, kind)));
-            }
-#define SCORES(N) chunk_scores(q, key_cache, cache_kind, at, len, head_dim, N, scores)
-            CHUNK_CASES(SCORES)
-            float total[GROUP_CHUNK];
-            for (int g = 0; g < n; g++) {
-                float *p = scores + g * len;
-                if (quantized)  /* a key's scale after its dot; a value's into its weight, after the sum */
-                    for (int64_t l = 0; l < len; l++) p[l] *= key_scales[l];
-                total[g] = exponentiate(p, len);
-                if (quantized)
-                    for (int64_t l = 0; l < len; l++) p[l] *= value_scales[l];
-            }
-#define VALUES(N) chunk_values(scores, value_cache, cache_kind, at, len, head_dim, N, o)
-            CHUNK_CASES(VALUES)
-            for (int g = 0; g < n; g++) {
-                const int64_t to = rows[s] * out_stride + (h * group + first + g) * head_dim;
-                for (int64_t d = 0; d < head_dim; d += 8)
-                    store8(out, to + d, _mm256_div_ps(_mm256_loadu_ps(o + g * head_dim + d),
-                                                      _mm256_set1_ps(total[g])), kind);
-            }
+            for (int64_t h = 0; h < kv_heads; h++)
+                for (int64_t l = 0; l < len; l++) {
+                    key_scales[h * len + l] = row_scale(key_cache, at[l] + h * row, head_dim);
+                    value_scales[h * len + l] = row_scale(value_cache, at[l] + h * row, head_dim);
+                }
+        for (int64_t j = 0; j < heads; j++) {
+            float *p = scores + j * len;
+            const float *ks = key_scales + (j / group) * len, *vs = value_scales + (j / group) * len;
+            if (quantized)  /* a key's scale after its dot; a value's into its weight, after the sum */
+                for (int64_t l = 0; l < len; l++) p[l] *= ks[l];
+            total[j] = exponentiate(p, len);
+            if (quantized)
+                for (int64_t l = 0; l < len; l++) p[l] *= vs[l];
+        }
+        /* the values a tile of slots at a time, the next tile's fetched meanwhile */
+        for (int64_t t = 0; t < len; t += TILE) {
+            const int64_t m = len - t < TILE ? len - t : TILE;
+            for (int64_t l = t + TILE; l < t + 2 * TILE && l < len; l++)
+                prefetch_span(value_cache, at[l], span, cache_kind);
+            for (int64_t h = 0; h < kv_heads; h++)
+                for (int64_t first = 0; first < group; first += GROUP_CHUNK) {
+                    const int n = group - first < GROUP_CHUNK ? (int)(group - first) : GROUP_CHUNK;
+                    const int64_t j = h * group + first;
+#define VALUES(N) tile_values(scores + j * len + t, len, value_cache, cache_kind, at + t, h * row, m, head_dim, N, \
+                              t > 0, o + j * head_dim)
+                    CHUNK_CASES(VALUES)
+                }
+        }
+        for (int64_t j = 0; j < heads; j++) {
+            const int64_t to = rows[s] * out_stride + (h0 * group + j) * head_dim;
+            for (int64_t d = 0; d < head_dim; d += 8)
+                store8(out, to + d, _mm256_div_ps(_mm256_loadu_ps(o + j * head_dim + d), _mm256_set1_ps(total[j])),
+                       kind);
         }
         free(at);
         free(q);

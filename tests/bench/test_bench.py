@@ -4,6 +4,7 @@ its report has the expected shape. Never timings: those belong to bench/RESULTS.
 import pytest
 
 from bench import (
+    attention_kernel,
     chart,
     closed_conversations,
     concurrency,
@@ -15,6 +16,7 @@ from bench import (
     ui_overhead,
 )
 from bench.common import Section, Table, fixed_requests, header, random_requests
+from pagedchat.kernels import cpu_attention, native
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -71,6 +73,18 @@ def test_step_overhead_splits_the_step(tiny_model):
     assert all(ms > 0 for ms in parts["attention"] + parts["logits"])
     # a Hugging Face folder's layers run product by product: the two quantized layer calls never happen
     assert parts[step_overhead.PARTS[0]] == parts[step_overhead.PARTS[2]] == [0, 0]
+
+
+@pytest.mark.skipif(cpu_attention.kernel() is None, reason="cpu_attention.c needs AVX2")
+def test_attention_kernel_times_this_build_beside_another(tmp_path, monkeypatch):
+    other = tmp_path / "other.c"
+    other.write_text((native.HERE / "cpu_attention.c").read_text())
+    monkeypatch.setattr(attention_kernel, "CASES", [(2, 40, 9, 3)])
+    monkeypatch.setattr(attention_kernel, "POOL_BYTES", 1 << 20)
+    section = attention_kernel.attention_kernel_section(other, rounds=2)
+    [row] = section.tables[0].rows
+    assert columns(section)[3:] == ["this checkout: ms", "GB/s", f"{other}: ms", "GB/s", "speedup"]
+    assert row[:3] == [2, 40, "9 / 3"] and all(value > 0 for value in row[3:7]) and row[7].endswith("x")
 
 
 def test_sharing_uses_fewer_blocks(tiny_model):

@@ -6,11 +6,12 @@ import math
 
 import pytest
 import torch
-from pagedchat.kernels import AttentionMetadata, native, torch_ops, triton_ops
+from pagedchat.kernels import AttentionMetadata, cpu_attention, native, torch_ops, triton_ops
 
 from pagedchat import kernels
 
 IMPLEMENTATIONS = {"torch": torch_ops, "triton": triton_ops}
+decode = cpu_attention.decode
 needs_avx2 = pytest.mark.skipif(not native.AVX2_CPU_FLAGS <= native.cpu_flags(), reason="cpu_attention.c needs AVX2")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -216,6 +217,40 @@ def test_decoding_sequences_are_attended_in_place_through_their_tables(dtype, he
         decodes = [part for part in metadata.plan if type(part).__name__ == "_Decode"]
         assert len(decodes) == 1 and decodes[0].rows.tolist() == [1, 20, 21]
         assert out.dtype == dtype and relative_error(out, expected) <= TOLERANCE[dtype]
+
+
+@pytest.fixture
+def threads():
+    """Sets torch's thread count (the one cpu_attention.c is called with) for the test, then restores it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@needs_avx2
+@pytest.mark.parametrize("cache", ["fp16", "int8", "fp8"])
+def test_decode_tasks_cover_every_head_however_the_threads_split_them(cache, threads, monkeypatch):
+    """cpu_attention.c makes a task of a sequence's KV heads, or of a share of them where the sequences are
+    fewer than twice the threads (shares of unequal sizes where they do not divide the heads): 1 to 3 threads
+    over 1 to 6 decodes, a group of 6 query heads (one chunk of 4 and one of 2) and groups of 1 and 3."""
+    fmt = {"int8": torch.int8, "fp8": torch.uint8}.get(cache)
+    calls = []
+    monkeypatch.setattr(cpu_attention, "decode", lambda *args, **kw: calls.append(decode(*args, **kw)))
+    for (heads, kv_heads), count, n in itertools.product([(12, 2), (3, 3), (15, 5)], [1, 2, 3, 6], [1, 2, 3]):
+        threads(n)
+        batch = make_batch([(37 * (i + 1) % 90 + 1, 1) for i in range(count)], 64, 16, torch.float32, heads,
+                           kv_heads, seed=count * n + heads)
+        if fmt is None:
+            batch["key_cache"], batch["value_cache"] = (batch[name].half() for name in ("key_cache", "value_cache"))
+        else:
+            for name in ("key_cache", "value_cache"):
+                batch[name] = kernels.kv_quant.quantize(batch[name].nan_to_num(0.0), fmt)
+        read = {name: (batch[name].float() if fmt is None else kernels.kv_quant.dequantize(batch[name], torch.float32))
+                for name in ("key_cache", "value_cache")}
+        expected = reference_attention(**batch | read)
+        calls.clear()
+        out = torch_ops.paged_attention(**batch)
+        assert len(calls) == 1 and relative_error(out, expected) <= 1e-5, (heads, kv_heads, count, n)
 
 
 @needs_avx2
