@@ -33,12 +33,13 @@ POOL_BYTES = 128 << 20  # the pools cycled through, together: past any L3 of the
 
 def build(source: Path) -> native.Kernel:
     """cpu_attention.c's entry point built from `source`, beside a copy of this checkout's headers."""
-    folder = Path(tempfile.mkdtemp())
-    shutil.copy(source, folder / "cpu_attention.c")
-    for header in native.HEADERS:
-        shutil.copy(native.HERE / header, folder)
-    built = ctypes.CDLL(str(native._built(folder / "cpu_attention.c", native.AVX2_FLAGS)))
-    return native.Kernel(getattr(built, SYMBOL), native.prototype(folder / "cpu_attention.c", SYMBOL))
+    with tempfile.TemporaryDirectory() as folder:  # the library is kept in the user cache, by its sources' hash
+        copy = Path(folder) / "cpu_attention.c"
+        shutil.copy(source, copy)
+        for header in native.HEADERS:
+            shutil.copy(native.HERE / header, folder)
+        built = ctypes.CDLL(str(native._built(copy, native.AVX2_FLAGS)))
+        return native.Kernel(getattr(built, SYMBOL), native.prototype(copy, SYMBOL))
 
 
 def time_case(kernels: dict[str, native.Kernel], seqs: int, tokens: int, heads: int, kv_heads: int,

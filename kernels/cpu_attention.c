@@ -182,7 +182,7 @@ int pagedchat_decode_attention(const void *query, int64_t q_stride, const int64_
     const int quantized = cache_kind >= KIND_INT8;
     const int64_t row = quantized ? head_dim + SCALE_BYTES : head_dim;  /* a cache row's elements */
     /* a task is a sequence's KV heads, or a share of them where there are too few sequences for the threads */
-    int64_t parts = (2 * threads + num_seqs - 1) / num_seqs;
+    int64_t parts = num_seqs > 0 ? (2 * threads + num_seqs - 1) / num_seqs : 1;
     parts = parts < 1 ? 1 : parts > num_kv_heads ? num_kv_heads : parts;
     int failed = 0;
     #pragma omp parallel for num_threads(threads) schedule(dynamic)
