@@ -70,10 +70,12 @@ def tensor_for(rng: np.random.Generator, ggml_type: T, rows: int, depth: int) ->
     return gguf.quants.quantize(values, ggml_type)
 
 
-def write_tiny_gguf(out: Path, seed: int, arch: str = "llama", last_layer_types: dict = LAST_LAYER_TYPES) -> Path:
+def write_tiny_gguf(out: Path, seed: int, arch: str = "llama", last_layer_types: dict = LAST_LAYER_TYPES,
+                    rope_freqs: np.ndarray | None = None) -> Path:
     """A llama.cpp-style file of `arch` (llama, qwen2 with q/k/v biases, qwen3 with q/k norms). A Llama's q/k
     rows are simply the file's (random) bytes, which transformers un-permutes on its load as it does any
-    llama.cpp Llama's."""
+    llama.cpp Llama's. `rope_freqs`: the factors that divide the rotary frequencies, as llama.cpp's converter
+    writes a Llama 3's rope scaling."""
     rng = np.random.default_rng(seed)
     tokenizer = byte_tokenizer()
     vocab = len(tokenizer)
@@ -101,6 +103,8 @@ def write_tiny_gguf(out: Path, seed: int, arch: str = "llama", last_layer_types:
 
     add("token_embd.weight", TYPES["token_embd"], vocab, HIDDEN)
     add("output.weight", TYPES["output"], vocab, HIDDEN)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     norm("output_norm.weight")
     shapes = {"attn_q": (HEADS * head_dim, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
               "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HEADS * head_dim),
@@ -338,6 +342,38 @@ def test_the_kv_cache_is_fp16_as_llama_cpps(tiny_gguf):
     assert runner.lean.dtype == torch.float32
     fp32 = LLM(model=str(tiny_gguf), dtype="float32", device="cpu", num_kv_blocks=32, kv_cache_dtype="float32")
     assert fp32.config.bytes_per_block == 2 * llm.config.bytes_per_block
+
+
+def test_a_llama_3_files_rope_factors_give_transformers_llama3_rotary(tmp_path):
+    """A llama.cpp file of Llama 3 (3.1, 3.2) carries its rope scaling as `rope_freqs`, the factors its converter
+    computes from the config's llama3 parameters, not as metadata: the engine's rotary tables are those of
+    transformers' rotary module with those parameters, which differ from the default frequencies'."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    original, factor, low, high = 16, 8.0, 1.0, 4.0
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": original}
+    # llama.cpp's convert_hf_to_gguf.py, LlamaModel.generate_extra_tensors
+    wavelength = 2 * np.pi * 10000.0 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+    smooth = (original / wavelength - low) / (high - low)
+    factors = np.where(wavelength < original / high, 1.0,
+                       np.where(wavelength > original / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+    lean = make_llm(write_tiny_gguf(tmp_path / "tiny.Q4_K_M.gguf", 5, rope_freqs=factors)).engine.runner.lean
+    positions = torch.arange(256)[None]
+
+    def tables(parameters: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        config = LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, head_dim=HEAD_DIM,
+                             max_position_embeddings=256, rope_parameters=parameters)
+        cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1, 1, dtype=torch.float32), positions)
+        return cos[0], sin[0]
+
+    cos, sin = tables(rope)
+    default_cos, _ = tables({"rope_type": "default", "rope_theta": 10000.0})
+    assert (cos - default_cos).abs().max() > 0.5  # the factors matter at these positions
+    half = HEAD_DIM // 2
+    torch.testing.assert_close(lean.cos[:256], cos, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lean.sin_signed[:256], torch.cat([-sin[:, :half], sin[:, half:]], -1), atol=2e-5, rtol=0)
 
 
 def test_the_header_is_read_as_gguf_reads_it(tiny_gguf):
