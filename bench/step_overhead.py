@@ -1,7 +1,7 @@
 """Step overhead: the share of a decode step spent outside the model's forward, at 1 and 32 running
 requests, and a profile of the engine's own code.
 
-    python -m bench.step_overhead [--running 1 32] [--steps 10]
+    python -m bench.step_overhead [--running 1 32] [--steps 10] [--prompt 128]
 
 Requests are prefilled first; then every measured step is a pure decode step of all of them. Each
 step is followed by `kv_snapshot()`, as the app's engine thread does. Times are split into: the model

@@ -5,9 +5,9 @@
  * scales are taken once per key: a key's after its dot with the query, a value's into its softmax weight.
  * Each sequence is one task for the OpenMP threads (torch's own libgomp, as many as the caller says), or a share
  * of its KV heads where the sequences are fewer than twice the threads: a task reads its slots' heads as one
- * contiguous span each, in order (one head's rows alone are a short run every Hkv rows, and were read at half
- * the rate). Each KV head's group of query heads, up to 4 at a time, shares each load (and widening) of a key
- * and a value. D must be a multiple of 8.
+ * contiguous span each, in order (one head's rows alone are a short run every Hkv rows, which the memory serves
+ * far slower: bench/RESULTS.md). Each KV head's group of query heads, up to 4 at a time, shares each load (and
+ * widening) of a key and a value. D must be a multiple of 8.
  */
 #include <math.h>
 #include <stdlib.h>
