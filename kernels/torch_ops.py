@@ -232,9 +232,11 @@ def _plan_batch(seqs: list[int], block_tables, seq_lens, query_lens, starts, blo
 
 
 def _run(plan: list, query, key, value, key_cache, value_cache, scale, out) -> None:
+    cached = None  # the step's new K/V as the cache holds them: made once, for all of its prompts
     for part in plan:
         if isinstance(part, _Prompt):
-            _attend_prompt(part, query, _as_cached(key, key_cache), _as_cached(value, value_cache), scale, out)
+            cached = cached or (_as_cached(key, key_cache), _as_cached(value, value_cache))
+            _attend_prompt(part, query, *cached, scale, out)
         elif isinstance(part, _Lone):
             _attend_lone(part, query, key_cache, value_cache, scale, out)
         elif isinstance(part, _Decode):
