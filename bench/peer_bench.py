@@ -68,8 +68,9 @@ def pagedchat_worker() -> None:
 
     job = peer_timing.read_job()
     construct_s = time.perf_counter()
+    # the rounds repeat their prompts: none may come from a cache, as llama-server is asked (cache_prompt false)
     llm = LLM(model=job["model"], dtype=job["dtype"], device="cpu", num_threads=job["threads"],
-              num_kv_blocks=job["kv_tokens"] // 16, max_model_len=job["max_model_len"])
+              num_kv_blocks=job["kv_tokens"] // 16, max_model_len=job["max_model_len"], enable_prefix_caching=False)
     ready_at, construct_s = time.time(), time.perf_counter() - construct_s
     compiled = llm.engine.runner.compiled
 

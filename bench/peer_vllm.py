@@ -14,7 +14,9 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     job = peer_timing.read_job()
-    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0)
+    # the rounds repeat their prompts: none may come from a cache, as llama-server is asked (cache_prompt false)
+    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
+              enable_prefix_caching=False)
 
     def generate(prompts: list[list[int]], new_tokens: list[int]) -> list[int]:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in new_tokens]

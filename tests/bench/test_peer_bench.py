@@ -1,8 +1,11 @@
 """The peer benchmark's timing and report plumbing (the peers themselves are built by bench.peers)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from bench import peer_bench, peer_timing
 
@@ -42,6 +45,27 @@ def test_the_section_replaces_its_own_place_in_results(tmp_path):
     text = results.read_text()
     assert text.count(peer_bench.MARK_BEGIN) == 1 and "second" in text and "first" not in text
     assert text.endswith("# suite\n\nold tables\n")
+
+
+def test_no_round_takes_its_prompts_from_a_cache(tmp_path, monkeypatch):
+    """The rounds repeat their prompts: pagedchat's worker runs without prefix caching (with it, a 16-chat
+    round after the first skipped most of its prefill), as llama-server's requests ask (cache_prompt false)."""
+    import pagedchat
+
+    class Built(Exception):
+        pass
+
+    def llm(**settings):
+        raise Built(settings)
+
+    monkeypatch.setattr(pagedchat, "LLM", llm)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"model": "m", "dtype": "float32", "threads": 1, "kv_tokens": 4096,
+                               "max_model_len": 512}))
+    monkeypatch.setattr(sys, "argv", ["peer_bench", str(job)])
+    with pytest.raises(Built) as built:
+        peer_bench.pagedchat_worker()
+    assert built.value.args[0]["enable_prefix_caching"] is False
 
 
 def test_the_pagedchat_worker_imports_no_peer_model_code():
