@@ -53,6 +53,9 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* ggml
 #define X_PIECE_BYTES 16384
 #endif
 #define ALWAYS static inline __attribute__((always_inline))
+/* Before a loop over the rows of a pass: unrolled whole, so that each row's accumulator stays a register (left
+ * to itself, GCC keeps the loop for 7 and 8 rows, its accumulators in memory, indexed) */
+#define EACH_ROW _Pragma("GCC unroll 16")
 /* One row's K-quant kernels ask for the weights' cache lines this far ahead of the block they reach: with the
  * hardware's prefetcher alone a chat's decode read its weights well short of memory's pace (bench/RESULTS.md).
  * A prefetch past the end of a mapping is harmless: it never faults. */
@@ -73,7 +76,9 @@ _Static_assert(sizeof(block_q4_K) == 144 && sizeof(block_q5_K) == 176 && sizeof(
 /* x quantized: q [M, K] (for Q4_0 and Q4_1 in the AVX2 build, each pair of blocks in the order that
  * q4_pair_step reads) and its blocks' d [M, K / 32 or 256]; for all but Q6_K, ds [M, K / 32], the block's d
  * times the sum of each 32 (which Q4_0's offset, Q4_1's m and the mins of Q4_K and Q5_K multiply); for Q6_K,
- * the sums of each 16 [M, K / 16] (which its offset times its scales multiply).
+ * the sums of each 16 [M, K / 16] (which its offset times its scales multiply); and d once more by pass, dt
+ * [M rounded up to a pass, K / 32 or 256]: block b's d of the pass of rows m0.. (m0 a multiple of pass_rows)
+ * side by side at dt + m0 * nb + b * pass_rows, so that a weight block's d times all of them is one product.
  * Held in pieces of `span` values of K, piece by piece (all M rows of the first, then of the second, ...):
  * a piece is an `acts` of its own (piece_of), and the products take x a piece at a time, so that the rows of
  * x a pass multiplies stay in L1 however deep K is (8 rows of an 8192-deep down projection are 64 KB). */
@@ -81,11 +86,19 @@ typedef struct {
     int8_t *q;
     float *d, *ds;
     int16_t *sums16;
+    float *dt;  /* d again, by pass: the d of block b of the pass's rows side by side (pass_rows, below) */
     int64_t M, K, span;
     int qb;
 } acts;
 
 static int block_values(int type) { return type == Q4_K || type == Q5_K || type == Q6_K ? 256 : 32; }
+
+/* The rows of x that a pass multiplies against each weight row (all M rows where fewer): MR for the K-quants,
+ * MR_SMALL for the blocks of 32 */
+static int64_t pass_rows(int qb) { return qb == 256 ? MR : MR_SMALL; }
+
+/* M rounded up to a whole number of passes: the rows that dt holds */
+static int64_t padded_rows(int64_t M, int qb) { return (M + pass_rows(qb) - 1) / pass_rows(qb) * pass_rows(qb); }
 
 static int64_t block_bytes(int type) {
     switch (type) {
@@ -331,6 +344,8 @@ static void quantize_piece(const void *x, int kind, int64_t m, const acts *a, in
     int8_t *q = a->q + m * K;
     float *d = a->d + m * (K / qb);
     quantize_row(x, kind, K, qb, q, d);
+    const int64_t pass = pass_rows(qb), nb = K / qb;
+    for (int64_t b = 0; b < nb; b++) a->dt[(m / pass * nb + b) * pass + m % pass] = d[b];
     if (type != Q6_K)
         for (int64_t b = 0; b < K / 32; b++) {
             int s = 0;
@@ -363,7 +378,8 @@ static void quantize_piece(const void *x, int kind, int64_t m, const acts *a, in
 /* The piece of x's pieces that holds values c * span.. of each row, as an `acts` of its own */
 static acts piece_of(const acts *a, int64_t c) {
     const int64_t k0 = c * a->span, K = a->K - k0 < a->span ? a->K - k0 : a->span, at = a->M * k0;
-    return (acts){a->q + at, a->d + at / a->qb, a->ds + at / 32, a->sums16 + at / 16, a->M, K, K, a->qb};
+    return (acts){a->q + at, a->d + at / a->qb, a->ds + at / 32, a->sums16 + at / 16,
+                  a->dt + padded_rows(a->M, a->qb) * k0 / a->qb, a->M, K, K, a->qb};
 }
 
 /* Row m of x into each piece of a */
@@ -484,6 +500,7 @@ ALWAYS void rows_q45_k_pairs(const uint8_t *w, const acts *a, int64_t m0, const 
         for (int t = 0; t < 8; t++) V[t] = side_by_side(v[0][t], v[1][t]);
         const __m512i scales[2] = {side_by_side(sc[0][0], sc[1][0]), side_by_side(sc[0][1], sc[1][1])};
         const __m512 dw = side_by_side_ps(d[0], d[1]), dmins = side_by_side_ps(mins[0], mins[1]);
+        EACH_ROW
         for (int r = 0; r < mr; r++) {
             const int8_t *x = a->q + (m0 + r) * K + 256 * b;
             const int64_t i = (m0 + r) * nb + b;
@@ -540,6 +557,9 @@ ALWAYS void rows_q45_k(const uint8_t *w, const acts *a, int64_t m0, const int mr
         }
         __m256i v[8], scales[2];
         q45_k_many(blk, u, five, v, scales);
+        float scale[MR] __attribute__((aligned(32)));  /* d times each row's d, read back a lane at a time */
+        _mm256_store_ps(scale, _mm256_mul_ps(d, _mm256_loadu_ps(a->dt + (m0 * nb + b * MR))));
+        EACH_ROW
         for (int r = 0; r < mr; r++) {
             const __m256i *x = (const __m256i *)(xq + r * K);
             __m256i isum = _mm256_setzero_si256();
@@ -551,9 +571,8 @@ ALWAYS void rows_q45_k(const uint8_t *w, const acts *a, int64_t m0, const int mr
                                                      _mm256_maddubs_epi16(vg[3], _mm256_loadu_si256(xg + 3)));
                 isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_add_epi16(s01, s23), scales[g]));
             }
-            const int64_t i = (m0 + r) * nb + b;
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum)), _mm256_broadcast_ss(a->d + i), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(a->ds + i * 8), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_broadcast_ss(scale + r), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(a->ds + ((m0 + r) * nb + b) * 8), acc[r]);
         }
     }
     for (int r = 0; r < mr; r++) y[r * ldy] = sum8(acc[r]);
@@ -624,6 +643,7 @@ ALWAYS void rows_q6_k_pairs(const uint8_t *w, const acts *a, int64_t m0, const i
         for (int P = 0; P < 4; P++) S[P] = side_by_side(s[0][P], s[1][P]);
         const __m512i scales16 = side_by_side(sc16[0], sc16[1]);
         const __m512 dw = side_by_side_ps(_mm256_set1_ps(d[0]), _mm256_set1_ps(d[1]));
+        EACH_ROW
         for (int r = 0; r < mr; r++) {
             const int8_t *x = a->q + (m0 + r) * K + 256 * b;
             const int64_t i = (m0 + r) * nb + b;
@@ -686,16 +706,21 @@ ALWAYS void rows_q6_k(const uint8_t *w, const acts *a, int64_t m0, const int mr,
         }
         __m256i q[8], s[4], sc16;
         q6_k_many(blk, q, s, &sc16);
+        /* 32 x each scale (at most 4,096: a word) against sums of 16 (at most 2,032): madd's pairs fit 32 bits */
+        const __m256i sc32 = _mm256_slli_epi16(sc16, 5);
+        float scale[MR] __attribute__((aligned(32)));  /* d times each row's d, read back a lane at a time */
+        _mm256_store_ps(scale, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(a->dt + (m0 * nb + b * MR))));
+        EACH_ROW
         for (int r = 0; r < mr; r++) {
             const __m256i *x = (const __m256i *)(a->q + (m0 + r) * K + 256 * b);
             const int64_t i = (m0 + r) * nb + b;
             /* minus the sum: the offset (32 x each scale x its 16 values of x) less each product */
-            __m256i minus = _mm256_slli_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(a->sums16 + i * 16))), 5);
+            __m256i minus = _mm256_madd_epi16(sc32, _mm256_loadu_si256((const __m256i *)(a->sums16 + i * 16)));
             for (int P = 0; P < 4; P++)
                 minus = _mm256_sub_epi32(minus, _mm256_madd_epi16(
                     _mm256_add_epi16(_mm256_maddubs_epi16(q[2 * P], _mm256_loadu_si256(x + 2 * P)),
                                      _mm256_maddubs_epi16(q[2 * P + 1], _mm256_loadu_si256(x + 2 * P + 1))), s[P]));
-            acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(d * a->d[i]), _mm256_cvtepi32_ps(minus), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_broadcast_ss(scale + r), _mm256_cvtepi32_ps(minus), acc[r]);
         }
     }
     for (int r = 0; r < mr; r++) y[r * ldy] = sum8(acc[r]);
@@ -720,6 +745,7 @@ ALWAYS void small_step(__m256i wq, int signed_w, float dw, const acts *a, int64_
     const int64_t K = a->K, nb = K / 32;
     /* unsigned x signed bytes: |w| against x carrying w's sign */
     const __m256i uw = signed_w ? _mm256_sign_epi8(wq, wq) : wq;
+    EACH_ROW
     for (int r = 0; r < mr; r++) {
         __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + r) * K + 32 * b));
         if (signed_w) xv = _mm256_sign_epi8(xv, wq);
@@ -746,27 +772,21 @@ ALWAYS void small_block_step(int type, const uint8_t *w, const acts *a, int64_t 
     }
     small_step(nibbles(blk + (type == Q4_1 ? 4 : 2)), 0, dw, a, m0, mr, b, acc);
     const float per_sum = type == Q4_1 ? half_at(blk + 2) : -8.0f * dw;
+    EACH_ROW
     for (int r = 0; r < mr; r++) offset[r] += per_sum * a->ds[(m0 + r) * nb + b];
 }
 
-/* Q8_0, Q4_0 and Q4_1: one fp32 product a block; for one row of x, even and odd blocks in two chains (one
- * alone would wait on each fma), for more the rows' chains are enough */
-ALWAYS void rows_small(int type, const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y,
-                       int64_t ldy) {
+/* Q8_0 against one row of x: even and odd blocks in two chains (one alone would wait on each fma) */
+ALWAYS void row_q8_0(const uint8_t *w, const acts *a, int64_t m0, float *y) {
     const int64_t nb = a->K / 32;
-    __m256 even[MR], odd[MR];
-    float offset[MR];
-    for (int r = 0; r < mr; r++) {
-        even[r] = odd[r] = _mm256_setzero_ps();
-        offset[r] = 0.0f;
-    }
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) {
-        small_block_step(type, w, a, m0, mr, b, even, offset);
-        small_block_step(type, w, a, m0, mr, b + 1, mr == 1 ? odd : even, offset);
+        small_block_step(Q8_0, w, a, m0, 1, b, &even, NULL);
+        small_block_step(Q8_0, w, a, m0, 1, b + 1, &odd, NULL);
     }
-    if (b < nb) small_block_step(type, w, a, m0, mr, b, even, offset);
-    for (int r = 0; r < mr; r++) y[r * ldy] = sum8(mr == 1 ? _mm256_add_ps(even[r], odd[r]) : even[r]) + offset[r];
+    if (b < nb) small_block_step(Q8_0, w, a, m0, 1, b, &even, NULL);
+    *y = sum8(_mm256_add_ps(even, odd));
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -787,6 +807,7 @@ ALWAYS void rows_q8_0_pairs(const uint8_t *w, const acts *a, int64_t m0, const i
         const __mmask64 negative = _mm512_movepi8_mask(wq);
         const __m512 dw = side_by_side_ps(_mm256_set1_ps(half_at(blk)),
                                           _mm256_set1_ps(two ? half_at(blk + sizeof(block_q8_0)) : 0.0f));
+        EACH_ROW
         for (int r = 0; r < mr; r++) {
             const int64_t i = (m0 + r) * nb + b;
             const __m512i xv = pair_x(a->q + i * 32, 0, two);
@@ -799,14 +820,42 @@ ALWAYS void rows_q8_0_pairs(const uint8_t *w, const acts *a, int64_t m0, const i
 }
 #endif
 
+/* Q8_0 against more than one row of x: as small_step for each row, but the block's d times the rows' d is one
+ * product a block for all of them, each row's read back from memory (a load, where a product and a broadcast
+ * for each row and block took two of the vector units' slots) */
+ALWAYS void rows_q8_0_many(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    const int64_t K = a->K, nb = K / 32;
+    __m256 acc[MR_SMALL];
+    for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * sizeof(block_q8_0);
+        float scale[MR_SMALL] __attribute__((aligned(32)));
+        _mm256_store_ps(scale, _mm256_mul_ps(_mm256_set1_ps(half_at(blk)),
+                                             _mm256_loadu_ps(a->dt + (m0 * nb + b * MR_SMALL))));
+        const __m256i wq = _mm256_loadu_si256((const __m256i *)(blk + 2)), uw = _mm256_sign_epi8(wq, wq);
+        EACH_ROW
+        for (int r = 0; r < mr; r++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + r) * K + 32 * b));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(uw, _mm256_sign_epi8(xv, wq))),
+                                     _mm256_broadcast_ss(scale + r), acc[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++) y[r * ldy] = sum8(acc[r]);
+}
+
 ALWAYS void rows_q8_0(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
     if (mr > 1) {
         rows_q8_0_pairs(w, a, m0, mr, y, ldy);
         return;
     }
+#else
+    if (mr > 1) {
+        rows_q8_0_many(w, a, m0, mr, y, ldy);
+        return;
+    }
 #endif
-    rows_small(Q8_0, w, a, m0, mr, y, ldy);
+    row_q8_0(w, a, m0, y);
 }
 
 /* In each int32 lane, the sum of 8 products: 4 of u1 by s1, 4 of u2 by s2 (as dot4), where the two s16 pair
@@ -1012,19 +1061,22 @@ static tile_fn tile_for(int type) {
  * single row, whose kernels stream the weights row by row */
 static int acts_alloc(acts *a, int64_t M, int64_t K, int type) {
     const int qb = block_values(type);
-    const int64_t pass = M < (qb == 256 ? MR : MR_SMALL) ? M : (qb == 256 ? MR : MR_SMALL);
+    const int64_t pass = M < pass_rows(qb) ? M : pass_rows(qb);
     const int64_t span = X_PIECE_BYTES / pass / 512 * 512;
     a->M = M;
     a->K = K;
     a->qb = qb;
     a->span = M == 1 || X_PIECE_BYTES == 0 || span >= K ? K : span > 512 ? span : 512;
     void *bytes;  /* on a cache line, as x's rows then are (K a multiple of 32): a load of 32 never straddles two */
-    if (posix_memalign(&bytes, 64, M * K + sizeof(float) * (M * K / qb + M * K / 32) + sizeof(int16_t) * (M * K / 16)))
+    const int64_t dt_floats = padded_rows(M, qb) * K / qb;
+    if (posix_memalign(&bytes, 64, M * K + sizeof(float) * (M * K / qb + M * K / 32 + dt_floats) +
+                                   sizeof(int16_t) * (M * K / 16)))
         return 1;
     a->q = bytes;
     a->d = (float *)(a->q + M * K);
     a->ds = a->d + M * K / qb;
-    a->sums16 = (int16_t *)(a->ds + M * K / 32);
+    a->dt = a->ds + M * K / 32;
+    a->sums16 = (int16_t *)(a->dt + dt_floats);
     return 0;
 }
 
@@ -1049,7 +1101,7 @@ static void run_products(const product *p, int count, int64_t M) {
         const int64_t end = begin + share < p[i].N ? begin + share : p[i].N;
         const int64_t tile_rows = TILE_BYTES / row_bytes > 4 ? TILE_BYTES / row_bytes : 4;
         const tile_fn tile = tile_for(p[i].type);
-        const int64_t pass = block_values(p[i].type) == 256 ? MR : MR_SMALL, span = p[i].a->span;
+        const int64_t pass = pass_rows(block_values(p[i].type)), span = p[i].a->span;
         const int64_t piece_bytes = span / block_values(p[i].type) * block_bytes(p[i].type);
         for (int64_t n0 = begin; n0 < end; n0 += tile_rows) {
             const int64_t rows = n0 + tile_rows < end ? tile_rows : end - n0;

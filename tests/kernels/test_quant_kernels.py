@@ -82,10 +82,11 @@ def test_linear_matches_dequantized_product(isa: str, ggml_type: int, data: st.D
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: GGMLQuantizationType(t).name)
-@pytest.mark.parametrize("rows", [3, 9, 16])
+@pytest.mark.parametrize("rows", [3, 9, 16, 19])
 def test_deep_products_sum_their_pieces(isa: str, ggml_type: int, rows: int) -> None:
     """x deeper than a pass keeps in L1 is multiplied a piece of K at a time and the pieces' sums added:
-    6,144 values and 3 blocks more, so the last piece is short and holds an odd count of blocks"""
+    6,144 values and 3 blocks more, so the last piece is short and holds an odd count of blocks; 19 rows
+    end in a pass of 3 after two whole ones (each pass reads its rows' scales side by side, piece by piece)"""
     block = GGML_QUANT_SIZES[ggml_type][0]
     depth, rng = 6144 + 3 * block, np.random.default_rng(rows * 1000 + ggml_type)
     raw = random_weight(rng, ggml_type, 37, depth)
@@ -140,14 +141,14 @@ K_QUANTS = [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizati
 @pytest.mark.parametrize("ggml_type", K_QUANTS, ids=lambda t: t.name)
 @pytest.mark.parametrize("sign", [1, -1])
 def test_k_quants_at_their_largest_values_do_not_overflow(isa: str, ggml_type: int, sign: int) -> None:
-    """Every value and sub-block scale at its largest and every x at +-127 after quantization: the many-row
-    kernels sum the 16-bit products of several registers before scaling them, which only these values bring
-    near 32,767. 9 rows: 8 through the many-row kernels, the 9th alone."""
+    """Every value and sub-block scale at its largest (Q6_K's int8 scales at 127 or -128) and every x at +-127
+    after quantization: the many-row kernels sum the 16-bit products of several registers before scaling
+    them, which only these values bring near 32,767. 9 rows: 8 through the many-row kernels, the 9th alone."""
     block, size = GGML_QUANT_SIZES[ggml_type]
     rows, depth = 9, 2 * block
     raw = np.full((rows, depth // block, size), 0xFF, dtype=np.uint8)  # values 15, 31 or 63; 6-bit scales 63
     if ggml_type == GGMLQuantizationType.Q6_K:
-        raw[..., 192:208] = 127  # its int8 scales
+        raw[..., 192:208] = 127 if sign > 0 else 0x80  # its int8 scales: 127 or -128
     d_at = [size - 2] if ggml_type == GGMLQuantizationType.Q6_K else [0, 2]  # d (and dmin)
     for offset in d_at:
         raw[..., offset:offset + 2] = np.array([0.01], np.float16).view(np.uint8)
