@@ -776,12 +776,14 @@ ALWAYS void small_block_step(int type, const uint8_t *w, const acts *a, int64_t 
     for (int r = 0; r < mr; r++) offset[r] += per_sum * a->ds[(m0 + r) * nb + b];
 }
 
-/* Q8_0 against one row of x: even and odd blocks in two chains (one alone would wait on each fma) */
+/* Q8_0 against one row of x: even and odd blocks in two chains (one alone would wait on each fma); the weights
+ * asked for ahead, as the K-quants' one-row kernels ask */
 ALWAYS void row_q8_0(const uint8_t *w, const acts *a, int64_t m0, float *y) {
     const int64_t nb = a->K / 32;
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) {
+        PREFETCH_AHEAD(w + b * sizeof(block_q8_0), 2 * (int)sizeof(block_q8_0));
         small_block_step(Q8_0, w, a, m0, 1, b, &even, NULL);
         small_block_step(Q8_0, w, a, m0, 1, b + 1, &odd, NULL);
     }
