@@ -53,8 +53,9 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* ggml
 #define X_PIECE_BYTES 16384
 #endif
 #define ALWAYS static inline __attribute__((always_inline))
-/* Before a loop over the rows of a pass: unrolled whole, so that each row's accumulator stays a register (left
- * to itself, GCC keeps the loop for 7 and 8 rows, its accumulators in memory, indexed) */
+/* Before a loop over the rows of a pass: unrolled whole, so that each row's accumulator has a fixed place, a
+ * register or a stack slot (left to itself, GCC unrolls the loop for 2-6 rows but keeps it for 7 and 8, the
+ * full passes, indexing an array of accumulators) */
 #define EACH_ROW _Pragma("GCC unroll 16")
 /* One row's K-quant kernels ask for the weights' cache lines this far ahead of the block they reach: with the
  * hardware's prefetcher alone a chat's decode read its weights well short of memory's pace (bench/RESULTS.md).
