@@ -1016,12 +1016,37 @@ ALWAYS void rows_q4_1(const uint8_t *w, const acts *a, int64_t m0, const int mr,
 typedef void (*tile_fn)(const uint8_t *w, int64_t row_bytes, int64_t rows, const acts *a, int64_t m0, int mr,
                         float *y, int64_t ldy, int add);
 
+/* A tile's sums go to y OUT_ROWS weight rows at a time from a buffer of their own: y's rows lie a power of two
+ * apart in a model (a row of 2,048 or 8,192 floats), so that a sum stored straight into each of the pass's
+ * rows of y took the same cache set as the others, and as x's rows. */
+#define OUT_ROWS 64
+static void store_out(const float out[][OUT_ROWS], int mr, int64_t count, float *y, int64_t ldy, int add) {
+    for (int r = 0; r < mr; r++) {
+        float *yr = y + r * ldy;
+        if (add)
+            for (int64_t n = 0; n < count; n++) yr[n] += out[r][n];
+        else
+            memcpy(yr, out[r], sizeof(float) * count);
+    }
+}
+
+/* A batch's first pass over a tile asks for the next tile's rows, into L2, row by row as it reaches each: the
+ * hardware's prefetcher alone, following a piece of each row at a time, left the first pass waiting on them.
+ * (One row of x streams its weights with PREFETCH_AHEAD instead.) */
+#define PREFETCH_NEXT_TILE(k, next_row, bytes)                                                               \
+    if ((k) > 1 && m0 == 0 && !add)                                                                          \
+        for (int64_t line_ = 0; line_ < (bytes); line_ += 64) __builtin_prefetch((next_row) + line_, 0, 2);
+
 #define TILE_CASE(kernel, k)                                                                                 \
     case k:                                                                                                  \
-        for (int64_t n = 0; n < rows; n++) {                                                                 \
-            float part[MR];                                                                                  \
-            kernel(w + n * row_bytes, a, m0, k, part, 1);                                                    \
-            for (int r = 0; r < k; r++) y[r * ldy + n] = add ? y[r * ldy + n] + part[r] : part[r];           \
+        for (int64_t n0 = 0; n0 < rows; n0 += OUT_ROWS) {                                                    \
+            const int64_t count = rows - n0 < OUT_ROWS ? rows - n0 : OUT_ROWS;                               \
+            float out[MR][OUT_ROWS];                                                                         \
+            for (int64_t n = n0; n < n0 + count; n++) {                                                      \
+                PREFETCH_NEXT_TILE(k, w + (n + rows) * row_bytes, row_bytes)                                 \
+                kernel(w + n * row_bytes, a, m0, k, &out[0][n - n0], OUT_ROWS);                              \
+            }                                                                                                \
+            store_out(out, k, count, y + n0, ldy, add);                                                      \
         }                                                                                                    \
         break;
 #if MR == 16
