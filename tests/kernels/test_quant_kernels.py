@@ -134,6 +134,25 @@ def test_threads_split_rows_without_changing_them(isa: str) -> None:
     check_product(results[0], x, raw.numpy(), ggml_type)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("ggml_type", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 9])
+def test_tiles_of_many_short_rows(isa: str, ggml_type: int, rows: int) -> None:
+    """Short weight rows (two Q8_0 blocks, one Q4_K block) make tiles of hundreds of rows on one thread, whose
+    sums go to y 64 weight rows at a time: 1,000 rows end in a short tile and a short 64"""
+    rng = np.random.default_rng(rows * 100 + ggml_type)
+    depth = 2 * GGML_QUANT_SIZES[ggml_type][0] if ggml_type == GGMLQuantizationType.Q8_0 else 256
+    raw = random_weight(rng, ggml_type, 1000, depth)
+    x = torch.from_numpy(rng.standard_normal((rows, depth), dtype=np.float32))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y = quant.linear(x, torch.from_numpy(raw), ggml_type, depth, isa=isa)
+    finally:
+        torch.set_num_threads(threads)
+    check_product(y, x, raw, ggml_type)
+
+
 K_QUANTS = [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K]
 
 
