@@ -56,8 +56,12 @@ def test_short_chat_follows_the_fp32_model(default_llm, reference):
 
 
 @pytest.mark.slow
-def test_a_plain_question_gets_its_answer(default_llm):
-    chat = ChatSession(default_llm.get_tokenizer())
-    tokens = reply(default_llm.engine, "sum", chat.user_turn("What is 2 + 2?"),
-                   SamplingParams(temperature=0.0, max_tokens=16), first=True)
-    assert "4" in default_llm.get_tokenizer().decode(tokens)
+def test_a_plain_question_gets_its_answer():
+    """On an engine of its own: where the prompt's first blocks come from another chat's prefix cache, the rest
+    of it is attended in another order, which can flip this reply's near ties (fp32 prefers " to" to " is" by
+    0.064 logits at its third token, and after " is" says "2")."""
+    llm = LLM(dtype="float32", device="cpu", attention_backend="torch", num_kv_blocks=64)
+    chat = ChatSession(llm.get_tokenizer())
+    tokens = reply(llm.engine, "sum", chat.user_turn("What is 2 + 2?"), SamplingParams(temperature=0.0, max_tokens=16),
+                   first=True)
+    assert "4" in llm.get_tokenizer().decode(tokens)
