@@ -44,13 +44,12 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* ggml
 #endif
 #define MR_SMALL 8
 #define TILE_BYTES 65536  /* the weight bytes of a tile (L2-resident while all of x passes over it) */
-/* The bytes of x's rows in a pass over a tile, L1-resident while the tile's rows pass (`acts`). The AVX-512
- * builds take x whole, as before pieces: there (16 rows a pass, a piece's 512-bit sums reduced at its end)
- * pieces have not been measured yet. */
+/* The bytes of x's rows in a pass over a tile, L1-resident while the tile's rows pass (`acts`); 0: x whole. The
+ * AVX-512 builds take Q8_0's, Q4_0's and Q4_1's x whole: in pieces, Q8_0 lost 2-5% there (bench/RESULTS.md) */
 #if MR == 16
-#define X_PIECE_BYTES 0
+#define X_PIECE_BYTES(qb) ((qb) == 256 ? 16384 : 0)
 #else
-#define X_PIECE_BYTES 16384
+#define X_PIECE_BYTES(qb) 16384
 #endif
 #define ALWAYS static inline __attribute__((always_inline))
 /* Before a loop over the rows of a pass: unrolled whole, so that each row's accumulator has a fixed place, a
@@ -1090,11 +1089,11 @@ static tile_fn tile_for(int type) {
 static int acts_alloc(acts *a, int64_t M, int64_t K, int type) {
     const int qb = block_values(type);
     const int64_t pass = M < pass_rows(qb) ? M : pass_rows(qb);
-    const int64_t span = X_PIECE_BYTES / pass / 512 * 512;
+    const int64_t span = X_PIECE_BYTES(qb) / pass / 512 * 512;
     a->M = M;
     a->K = K;
     a->qb = qb;
-    a->span = M == 1 || X_PIECE_BYTES == 0 || span >= K ? K : span > 512 ? span : 512;
+    a->span = M == 1 || X_PIECE_BYTES(qb) == 0 || span >= K ? K : span > 512 ? span : 512;
     void *bytes;  /* on a cache line, as x's rows then are (K a multiple of 32): a load of 32 never straddles two */
     const int64_t dt_floats = padded_rows(M, qb) * K / qb;
     if (posix_memalign(&bytes, 64, M * K + sizeof(float) * (M * K / qb + M * K / 32 + dt_floats) +
