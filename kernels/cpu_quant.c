@@ -45,7 +45,8 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* ggml
 #define MR_SMALL 8
 #define TILE_BYTES 65536  /* the weight bytes of a tile (L2-resident while all of x passes over it) */
 /* The bytes of x's rows in a pass over a tile, L1-resident while the tile's rows pass (`acts`); 0: x whole. The
- * AVX-512 builds take Q8_0's, Q4_0's and Q4_1's x whole: in pieces, Q8_0 lost 2-5% there (bench/RESULTS.md) */
+ * AVX-512 builds take the 32-value types' x whole: in pieces, Q8_0 lost 2-5% at 2,048 x 8,192 on a Zen 4
+ * (bench/RESULTS.md; Q4_0 and Q4_1 not measured apart) */
 #if MR == 16
 #define X_PIECE_BYTES(qb) ((qb) == 256 ? 16384 : 0)
 #else

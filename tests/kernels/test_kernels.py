@@ -219,14 +219,6 @@ def test_decoding_sequences_are_attended_in_place_through_their_tables(dtype, he
         assert out.dtype == dtype and relative_error(out, expected) <= TOLERANCE[dtype]
 
 
-@pytest.fixture
-def threads():
-    """Sets torch's thread count (the one cpu_attention.c is called with) for the test, then restores it."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
 @needs_avx2
 @pytest.mark.parametrize("cache", ["fp16", "int8", "fp8"])
 def test_decode_tasks_cover_every_head_however_the_threads_split_them(cache, threads, monkeypatch):

@@ -115,21 +115,17 @@ def test_half_input_into_strided_columns(isa: str, dtype: torch.dtype, ggml_type
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_threads_split_rows_without_changing_them(isa: str) -> None:
+def test_threads_split_rows_without_changing_them(isa: str, threads) -> None:
     """Each output is one thread's sum in a fixed order: any thread count gives the same bits, across many
     tiles a thread (rows of 2 KiB)"""
     rng = np.random.default_rng(0)
     ggml_type, width, depth = GGMLQuantizationType.Q8_0, 301, 2048
     raw = torch.from_numpy(random_weight(rng, ggml_type, width, depth))
     x = torch.from_numpy(rng.standard_normal((6, depth), dtype=np.float32))
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for count in (1, 3):
-            torch.set_num_threads(count)
-            results.append(quant.linear(x, raw, ggml_type, depth, isa=isa))
-    finally:
-        torch.set_num_threads(threads)
+    results = []
+    for count in (1, 3):
+        threads(count)
+        results.append(quant.linear(x, raw, ggml_type, depth, isa=isa))
     assert torch.equal(results[0], results[1])
     check_product(results[0], x, raw.numpy(), ggml_type)
 
@@ -137,20 +133,15 @@ def test_threads_split_rows_without_changing_them(isa: str) -> None:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("ggml_type", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 9])
-def test_tiles_of_many_short_rows(isa: str, ggml_type: int, rows: int) -> None:
+def test_tiles_of_many_short_rows(isa: str, ggml_type: int, rows: int, threads) -> None:
     """Short weight rows (two Q8_0 blocks, one Q4_K block) make tiles of hundreds of rows on one thread, whose
     sums go to y 64 weight rows at a time: 1,000 rows end in a short tile and a short 64"""
     rng = np.random.default_rng(rows * 100 + ggml_type)
     depth = 2 * GGML_QUANT_SIZES[ggml_type][0] if ggml_type == GGMLQuantizationType.Q8_0 else 256
     raw = random_weight(rng, ggml_type, 1000, depth)
     x = torch.from_numpy(rng.standard_normal((rows, depth), dtype=np.float32))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        y = quant.linear(x, torch.from_numpy(raw), ggml_type, depth, isa=isa)
-    finally:
-        torch.set_num_threads(threads)
-    check_product(y, x, raw, ggml_type)
+    threads(1)
+    check_product(quant.linear(x, torch.from_numpy(raw), ggml_type, depth, isa=isa), x, raw, ggml_type)
 
 
 K_QUANTS = [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K]
