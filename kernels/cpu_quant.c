@@ -44,14 +44,7 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* ggml
 #endif
 #define MR_SMALL 8
 #define TILE_BYTES 65536  /* the weight bytes of a tile (L2-resident while all of x passes over it) */
-/* The bytes of x's rows in a pass over a tile, L1-resident while the tile's rows pass (`acts`); 0: x whole. The
- * AVX-512 builds take the 32-value types' x whole: in pieces, Q8_0 lost 2-5% at 2,048 x 8,192 on a Zen 4
- * (bench/RESULTS.md; Q4_0 and Q4_1 not measured apart) */
-#if MR == 16
-#define X_PIECE_BYTES(qb) ((qb) == 256 ? 16384 : 0)
-#else
-#define X_PIECE_BYTES(qb) 16384
-#endif
+#define X_PIECE_BYTES 16384  /* the bytes of x's rows in a pass over a tile, L1-resident while its rows pass (`acts`) */
 #define ALWAYS static inline __attribute__((always_inline))
 /* Before a loop over the rows of a pass: unrolled whole, so that each row's accumulator has a fixed place, a
  * register or a stack slot (left to itself, GCC unrolls the loop for 2-6 rows but keeps it for 7 and 8, the
@@ -307,8 +300,9 @@ ALWAYS void words_2x2(__m256i v[2]) {
     v[0] = lo;
 }
 
-/* Row m of x multiplied alone by a K-quant: the last of M where M is one more than a multiple of MR */
-static int alone(int64_t m, int64_t M) { return M - m / MR * MR == 1; }
+/* Row m of x multiplied alone, in passes of `pass` rows: the last of M where M is one more than a multiple of
+ * pass */
+static int alone(int64_t m, int64_t M, int64_t pass) { return M - m / pass * pass == 1; }
 
 /* x's row as the many-row K-quant kernels read it: each 128 bytes through words_4x4 (Q4_K, Q5_K) or each 64
  * through words_2x2 (Q6_K) */
@@ -322,6 +316,20 @@ static void shuffle_for_k(int8_t *q, int64_t K, int type) {
         for (int t = 0; t < span / 32; t++) _mm256_storeu_si256((__m256i *)(q + i + 32 * t), v[t]);
     }
 }
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* x's row as rows_q8_0_groups reads it: each whole 16 blocks (512 bytes) as 8 registers' worth, register o's
+ * 32-bit lane l bytes 4o..4o + 3 of block l, offset by 128 to unsigned bytes */
+static void q8_0_transpose(int8_t *q, int64_t K) {
+    for (int64_t i = 0; i + 512 <= K; i += 512) {
+        uint32_t t[128];
+        for (int l = 0; l < 16; l++)
+            for (int o = 0; o < 8; o++) memcpy(&t[16 * o + l], q + i + 32 * l + 4 * o, 4);
+        for (int k = 0; k < 128; k++) t[k] ^= 0x80808080u;
+        memcpy(q + i, t, 512);
+    }
+}
+#endif
 
 #if defined(__AVX512BW__)
 /* Each pair of x's 256-byte blocks as the many-row K-quant kernels read it: 32 bytes of the first, 32 of the second, ... */
@@ -360,12 +368,15 @@ static void quantize_piece(const void *x, int kind, int64_t m, const acts *a, in
             for (int l = 0; l < 16; l++) s += q[16 * g + l];
             a->sums16[m * (K / 16) + g] = (int16_t)s;
         }
-    if (block_values(type) == 256 && !alone(m, a->M)) {
+    if (block_values(type) == 256 && !alone(m, a->M, MR)) {
         shuffle_for_k(q, K, type);
 #if defined(__AVX512BW__)
         pair_blocks(q, K);
 #endif
     }
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    if (type == Q8_0 && !alone(m, a->M, MR_SMALL)) q8_0_transpose(q, K);
+#endif
     if (type == Q4_0 || type == Q4_1)  /* each pair of blocks as rows_q4_pairs reads it */
         for (int64_t b = 0; b + 1 < K / 32; b += 2) {
             int8_t swap[16];
@@ -793,13 +804,12 @@ ALWAYS void row_q8_0(const uint8_t *w, const acts *a, int64_t m0, float *y) {
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-/* Q8_0 against more than one row of x on AVX-512: blocks b and b + 1 side by side, as the K-quants' pairs (x's
- * two blocks lie side by side already); an odd last block alone in the low halves */
-ALWAYS void rows_q8_0_pairs(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+/* Blocks b0.. of a Q8_0 row against more than one row of x on AVX-512, into acc: blocks b and b + 1 side by
+ * side, as the K-quants' pairs (x's two blocks lie side by side already); an odd last block alone in the low
+ * halves */
+ALWAYS void q8_0_pairs(const uint8_t *w, const acts *a, int64_t m0, const int mr, int64_t b0, __m512 *acc) {
     const int64_t K = a->K, nb = K / 32;
-    __m512 acc[MR];
-    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b += 2) {
+    for (int64_t b = b0; b < nb; b += 2) {
         const int two = b + 1 < nb;
         const uint8_t *blk = w + b * sizeof(block_q8_0);
         const __m256i first = _mm256_loadu_si256((const __m256i *)(blk + 2));
@@ -819,6 +829,62 @@ ALWAYS void rows_q8_0_pairs(const uint8_t *w, const acts *a, int64_t m0, const i
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, pair_d(a->d + i, two)), acc[r]);
         }
     }
+}
+
+/* 16 Q8_0 blocks from blk as rows_q8_0_groups takes them: register o's 32-bit lane l bytes 4o..4o + 3 of block
+ * l (an 8 x 8 transpose of the 32-bit words of blocks k and k + 8 in the halves of 8 registers) */
+ALWAYS void q8_0_gather(const uint8_t *blk, __m512i wq[8]) {
+    __m512i z[8], t[8], u[8];
+    for (int k = 0; k < 8; k++)
+        z[k] = side_by_side(_mm256_loadu_si256((const __m256i *)(blk + k * sizeof(block_q8_0) + 2)),
+                            _mm256_loadu_si256((const __m256i *)(blk + (k + 8) * sizeof(block_q8_0) + 2)));
+    for (int k = 0; k < 8; k += 2) {
+        t[k] = _mm512_unpacklo_epi32(z[k], z[k + 1]);
+        t[k + 1] = _mm512_unpackhi_epi32(z[k], z[k + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) {  /* 128-bit lane j of u[h + c]: word c (j even) or 4 + c of 4 blocks */
+        u[h] = _mm512_unpacklo_epi64(t[h], t[h + 2]);
+        u[h + 1] = _mm512_unpackhi_epi64(t[h], t[h + 2]);
+        u[h + 2] = _mm512_unpacklo_epi64(t[h + 1], t[h + 3]);
+        u[h + 3] = _mm512_unpackhi_epi64(t[h + 1], t[h + 3]);
+    }
+    const __m512i even = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), odd = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int c = 0; c < 4; c++) {
+        wq[c] = _mm512_permutex2var_epi64(u[c], even, u[4 + c]);
+        wq[4 + c] = _mm512_permutex2var_epi64(u[c], odd, u[4 + c]);
+    }
+}
+
+/* Q8_0 against more than one row of x on AVX-512, 16 blocks at a time, one in each 32-bit lane: a row's 16
+ * blocks are 8 dot products, one conversion and two multiplies, where side by side (q8_0_pairs) each pair of
+ * blocks took a sign change, a conversion and three multiplies besides its dot product. x's rows lie so
+ * (q8_0_transpose), the weights are transposed as they are read (q8_0_gather; the ISA's gathers were slower).
+ * x is offset by 128 to unsigned bytes, and each block's sum starts at -128 x its weights' sum to take that
+ * off. The blocks past the last 16 go side by side. */
+ALWAYS void rows_q8_0_groups(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    const int64_t K = a->K, nb = K / 32, groups = nb / 16;
+    __m512 acc[MR];
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *blk = w + 16 * g * sizeof(block_q8_0);
+        __m512i wq[8];
+        q8_0_gather(blk, wq);
+        __m512i sum = _mm512_setzero_si512();
+        for (int o = 0; o < 8; o++) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), wq[o]);
+        const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7));
+        uint16_t d16[16] __attribute__((aligned(32)));
+        for (int l = 0; l < 16; l++) memcpy(&d16[l], blk + l * sizeof(block_q8_0), 2);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)d16));
+        EACH_ROW
+        for (int r = 0; r < mr; r++) {
+            const int8_t *x = a->q + (m0 + r) * K + 512 * g;
+            __m512i p = start;
+            for (int o = 0; o < 8; o++) p = _mm512_dpbusd_epi32(p, _mm512_loadu_si512(x + 64 * o), wq[o]);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(p), dw),
+                                     _mm512_loadu_ps(a->d + (m0 + r) * nb + 16 * g), acc[r]);
+        }
+    }
+    q8_0_pairs(w, a, m0, mr, 16 * groups, acc);
     for (int r = 0; r < mr; r++) y[r * ldy] = _mm512_reduce_add_ps(acc[r]);
 }
 #endif
@@ -849,7 +915,7 @@ ALWAYS void rows_q8_0_many(const uint8_t *w, const acts *a, int64_t m0, const in
 ALWAYS void rows_q8_0(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
     if (mr > 1) {
-        rows_q8_0_pairs(w, a, m0, mr, y, ldy);
+        rows_q8_0_groups(w, a, m0, mr, y, ldy);
         return;
     }
 #else
@@ -1090,11 +1156,11 @@ static tile_fn tile_for(int type) {
 static int acts_alloc(acts *a, int64_t M, int64_t K, int type) {
     const int qb = block_values(type);
     const int64_t pass = M < pass_rows(qb) ? M : pass_rows(qb);
-    const int64_t span = X_PIECE_BYTES(qb) / pass / 512 * 512;
+    const int64_t span = X_PIECE_BYTES / pass / 512 * 512;
     a->M = M;
     a->K = K;
     a->qb = qb;
-    a->span = M == 1 || X_PIECE_BYTES(qb) == 0 || span >= K ? K : span > 512 ? span : 512;
+    a->span = M == 1 || span >= K ? K : span > 512 ? span : 512;
     void *bytes;  /* on a cache line, as x's rows then are (K a multiple of 32): a load of 32 never straddles two */
     const int64_t dt_floats = padded_rows(M, qb) * K / qb;
     if (posix_memalign(&bytes, 64, M * K + sizeof(float) * (M * K / qb + M * K / 32 + dt_floats) +
