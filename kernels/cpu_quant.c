@@ -43,6 +43,9 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* ggml
 #define MR 8
 #endif
 #define MR_SMALL 8
+/* the rows of a pass from which Q4_0 and Q4_1 take the by-lane kernels (AVX-512 VNNI): at 2, unpacking 16 blocks
+ * for each weight row cost more than it saved (bench/RESULTS.md) */
+#define Q4_BY_LANE 3
 #define TILE_BYTES 65536  /* the weight bytes of a tile (L2-resident while all of x passes over it) */
 #define X_PIECE_BYTES 16384  /* the bytes of x's rows in a pass over a tile, L1-resident while its rows pass (`acts`) */
 #define ALWAYS static inline __attribute__((always_inline))
@@ -300,9 +303,8 @@ ALWAYS void words_2x2(__m256i v[2]) {
     v[0] = lo;
 }
 
-/* Row m of x multiplied alone, in passes of `pass` rows: the last of M where M is one more than a multiple of
- * pass */
-static int alone(int64_t m, int64_t M, int64_t pass) { return M - m / pass * pass == 1; }
+/* The rows of x in row m's pass, in passes of `pass` rows */
+static int64_t pass_of(int64_t m, int64_t M, int64_t pass) { return M - m / pass * pass < pass ? M - m / pass * pass : pass; }
 
 /* x's row as the many-row K-quant kernels read it: each 128 bytes through words_4x4 (Q4_K, Q5_K) or each 64
  * through words_2x2 (Q6_K) */
@@ -318,16 +320,19 @@ static void shuffle_for_k(int8_t *q, int64_t K, int type) {
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-/* x's row as rows_q8_0_groups reads it: each whole 16 blocks (512 bytes) as 8 registers' worth, register o's
- * 32-bit lane l bytes 4o..4o + 3 of block l, offset by 128 to unsigned bytes */
-static void q8_0_transpose(int8_t *q, int64_t K) {
+/* x's row as the by-lane kernels of 32-value blocks read it (rows_q8_0_groups, rows_q4_groups): each whole 16
+ * blocks (512 bytes) as 8 registers' worth, register o's 32-bit lane l bytes 4o..4o + 3 of block l; for Q8_0
+ * offset by 128 to unsigned bytes. The count of blocks that lie so. */
+static int64_t x_by_lane(int8_t *q, int64_t K, int type) {
+    const uint32_t offset = type == Q8_0 ? 0x80808080u : 0;
     for (int64_t i = 0; i + 512 <= K; i += 512) {
         uint32_t t[128];
         for (int l = 0; l < 16; l++)
             for (int o = 0; o < 8; o++) memcpy(&t[16 * o + l], q + i + 32 * l + 4 * o, 4);
-        for (int k = 0; k < 128; k++) t[k] ^= 0x80808080u;
+        for (int k = 0; k < 128; k++) t[k] ^= offset;
         memcpy(q + i, t, 512);
     }
+    return K / 512 * 16;
 }
 #endif
 
@@ -368,17 +373,18 @@ static void quantize_piece(const void *x, int kind, int64_t m, const acts *a, in
             for (int l = 0; l < 16; l++) s += q[16 * g + l];
             a->sums16[m * (K / 16) + g] = (int16_t)s;
         }
-    if (block_values(type) == 256 && !alone(m, a->M, MR)) {
+    if (block_values(type) == 256 && pass_of(m, a->M, MR) > 1) {
         shuffle_for_k(q, K, type);
 #if defined(__AVX512BW__)
         pair_blocks(q, K);
 #endif
     }
+    int64_t by_lane = 0;  /* blocks that x_by_lane laid out */
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    if (type == Q8_0 && !alone(m, a->M, MR_SMALL)) q8_0_transpose(q, K);
+    if (qb == 32 && pass_of(m, a->M, MR_SMALL) >= (type == Q8_0 ? 2 : Q4_BY_LANE)) by_lane = x_by_lane(q, K, type);
 #endif
-    if (type == Q4_0 || type == Q4_1)  /* each pair of blocks as rows_q4_pairs reads it */
-        for (int64_t b = 0; b + 1 < K / 32; b += 2) {
+    if (type == Q4_0 || type == Q4_1)  /* each further pair of blocks as rows_q4_pairs reads it */
+        for (int64_t b = by_lane; b + 1 < K / 32; b += 2) {
             int8_t swap[16];
             memcpy(swap, q + 32 * b + 16, 16);
             memcpy(q + 32 * b + 16, q + 32 * b + 32, 16);
@@ -831,13 +837,12 @@ ALWAYS void q8_0_pairs(const uint8_t *w, const acts *a, int64_t m0, const int mr
     }
 }
 
-/* 16 Q8_0 blocks from blk as rows_q8_0_groups takes them: register o's 32-bit lane l bytes 4o..4o + 3 of block
- * l (an 8 x 8 transpose of the 32-bit words of blocks k and k + 8 in the halves of 8 registers) */
-ALWAYS void q8_0_gather(const uint8_t *blk, __m512i wq[8]) {
+/* 16 blocks' 32 values (v[l]: block l) as the by-lane kernels take them: register o's 32-bit lane l bytes
+ * 4o..4o + 3 of block l (an 8 x 8 transpose of the 32-bit words of blocks k and k + 8 in the halves of 8
+ * registers) */
+ALWAYS void by_lane(const __m256i v[16], __m512i wq[8]) {
     __m512i z[8], t[8], u[8];
-    for (int k = 0; k < 8; k++)
-        z[k] = side_by_side(_mm256_loadu_si256((const __m256i *)(blk + k * sizeof(block_q8_0) + 2)),
-                            _mm256_loadu_si256((const __m256i *)(blk + (k + 8) * sizeof(block_q8_0) + 2)));
+    for (int k = 0; k < 8; k++) z[k] = side_by_side(v[k], v[k + 8]);
     for (int k = 0; k < 8; k += 2) {
         t[k] = _mm512_unpacklo_epi32(z[k], z[k + 1]);
         t[k + 1] = _mm512_unpackhi_epi32(z[k], z[k + 1]);
@@ -858,7 +863,7 @@ ALWAYS void q8_0_gather(const uint8_t *blk, __m512i wq[8]) {
 /* Q8_0 against more than one row of x on AVX-512, 16 blocks at a time, one in each 32-bit lane: a row's 16
  * blocks are 8 dot products, one conversion and two multiplies, where side by side (q8_0_pairs) each pair of
  * blocks took a sign change, a conversion and three multiplies besides its dot product. x's rows lie so
- * (q8_0_transpose), the weights are transposed as they are read (q8_0_gather; the ISA's gathers were slower).
+ * (x_by_lane), the weights are transposed as they are read (by_lane; the ISA's gathers were slower).
  * x is offset by 128 to unsigned bytes, and each block's sum starts at -128 x its weights' sum to take that
  * off. The blocks past the last 16 go side by side. */
 ALWAYS void rows_q8_0_groups(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
@@ -867,8 +872,10 @@ ALWAYS void rows_q8_0_groups(const uint8_t *w, const acts *a, int64_t m0, const 
     for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = w + 16 * g * sizeof(block_q8_0);
+        __m256i v[16];
+        for (int l = 0; l < 16; l++) v[l] = _mm256_loadu_si256((const __m256i *)(blk + l * sizeof(block_q8_0) + 2));
         __m512i wq[8];
-        q8_0_gather(blk, wq);
+        by_lane(v, wq);
         __m512i sum = _mm512_setzero_si512();
         for (int o = 0; o < 8; o++) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), wq[o]);
         const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7));
@@ -970,8 +977,8 @@ ALWAYS void q4_pair_step(int type, const uint8_t *w, const acts *a, int64_t m0, 
     }
 }
 
-/* Q4_0 and Q4_1, a pair of blocks at a time; for one row of x, even and odd pairs in two chains */
-ALWAYS void rows_q4_pairs(int type, const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y,
+/* Q4_0 and Q4_1 from block b0, a pair of blocks at a time; for one row of x, even and odd pairs in two chains */
+ALWAYS void rows_q4_pairs(int type, const uint8_t *w, const acts *a, int64_t m0, const int mr, int64_t b0, float *y,
                           int64_t ldy) {
     const int64_t nb = a->K / 32;
     __m256 even[MR], odd[MR];
@@ -982,7 +989,7 @@ ALWAYS void rows_q4_pairs(int type, const uint8_t *w, const acts *a, int64_t m0,
         offset[r] = _mm_setzero_ps();
         single[r] = 0.0f;
     }
-    int64_t b = 0;
+    int64_t b = b0;
     for (; b + 3 < nb; b += 4) {
         q4_pair_step(type, w, a, m0, mr, b, even, offset);
         q4_pair_step(type, w, a, m0, mr, b + 2, mr == 1 ? odd : even, offset);
@@ -1000,12 +1007,62 @@ ALWAYS void rows_q4_pairs(int type, const uint8_t *w, const acts *a, int64_t m0,
     }
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* Q4_0 and Q4_1 against more than one row of x on AVX-512, 16 blocks at a time as rows_q8_0_groups takes Q8_0:
+ * their values unsigned (0..15) against x's signed bytes, and Q4_0's -8 d or Q4_1's m times x's d * sum one
+ * more multiply. The blocks past the last 16 as pairs. */
+ALWAYS void rows_q4_groups(int type, const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y,
+                           int64_t ldy) {
+    const int64_t K = a->K, nb = K / 32, groups = nb / 16, size = block_bytes(type), qs = type == Q4_1 ? 4 : 2;
+    __m512 acc[MR];
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *blk = w + 16 * g * size;
+        __m256i v[16];
+        uint16_t d16[16] __attribute__((aligned(32))), m16[16] __attribute__((aligned(32)));
+        for (int l = 0; l < 16; l++) {
+            v[l] = nibbles(blk + l * size + qs);
+            memcpy(&d16[l], blk + l * size, 2);
+            memcpy(&m16[l], blk + l * size + 2, 2);
+        }
+        __m512i wq[8];
+        by_lane(v, wq);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)d16));
+        const __m512 offset = type == Q4_1 ? _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)m16))
+                                           : _mm512_mul_ps(_mm512_set1_ps(-8.0f), dw);
+        EACH_ROW
+        for (int r = 0; r < mr; r++) {
+            const int8_t *x = a->q + (m0 + r) * K + 512 * g;
+            const int64_t i = (m0 + r) * nb + 16 * g;
+            __m512i p = _mm512_setzero_si512();
+            for (int o = 0; o < 8; o++) p = _mm512_dpbusd_epi32(p, wq[o], _mm512_loadu_si512(x + 64 * o));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(p), dw), _mm512_loadu_ps(a->d + i), acc[r]);
+            acc[r] = _mm512_fmadd_ps(offset, _mm512_loadu_ps(a->ds + i), acc[r]);
+        }
+    }
+    rows_q4_pairs(type, w, a, m0, mr, 16 * groups, y, ldy);
+    for (int r = 0; r < mr; r++) y[r * ldy] += _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
 ALWAYS void rows_q4_0(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
-    rows_q4_pairs(Q4_0, w, a, m0, mr, y, ldy);
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    if (mr >= Q4_BY_LANE) {
+        rows_q4_groups(Q4_0, w, a, m0, mr, y, ldy);
+        return;
+    }
+#endif
+    rows_q4_pairs(Q4_0, w, a, m0, mr, 0, y, ldy);
 }
 
 ALWAYS void rows_q4_1(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
-    rows_q4_pairs(Q4_1, w, a, m0, mr, y, ldy);
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    if (mr >= Q4_BY_LANE) {
+        rows_q4_groups(Q4_1, w, a, m0, mr, y, ldy);
+        return;
+    }
+#endif
+    rows_q4_pairs(Q4_1, w, a, m0, mr, 0, y, ldy);
 }
 
 #else  /* portable */
