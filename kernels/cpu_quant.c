@@ -1045,24 +1045,22 @@ ALWAYS void rows_q4_groups(int type, const uint8_t *w, const acts *a, int64_t m0
 }
 #endif
 
-ALWAYS void rows_q4_0(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+ALWAYS void rows_q4(int type, const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
     if (mr >= Q4_BY_LANE) {
-        rows_q4_groups(Q4_0, w, a, m0, mr, y, ldy);
+        rows_q4_groups(type, w, a, m0, mr, y, ldy);
         return;
     }
 #endif
-    rows_q4_pairs(Q4_0, w, a, m0, mr, 0, y, ldy);
+    rows_q4_pairs(type, w, a, m0, mr, 0, y, ldy);
+}
+
+ALWAYS void rows_q4_0(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    rows_q4(Q4_0, w, a, m0, mr, y, ldy);
 }
 
 ALWAYS void rows_q4_1(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    if (mr >= Q4_BY_LANE) {
-        rows_q4_groups(Q4_1, w, a, m0, mr, y, ldy);
-        return;
-    }
-#endif
-    rows_q4_pairs(Q4_1, w, a, m0, mr, 0, y, ldy);
+    rows_q4(Q4_1, w, a, m0, mr, y, ldy);
 }
 
 #else  /* portable */
