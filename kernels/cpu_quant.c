@@ -304,7 +304,10 @@ ALWAYS void words_2x2(__m256i v[2]) {
 }
 
 /* The rows of x in row m's pass, in passes of `pass` rows */
-static int64_t pass_of(int64_t m, int64_t M, int64_t pass) { return M - m / pass * pass < pass ? M - m / pass * pass : pass; }
+static int64_t pass_of(int64_t m, int64_t M, int64_t pass) {
+    const int64_t left = M - m / pass * pass;
+    return left < pass ? left : pass;
+}
 
 /* x's row as the many-row K-quant kernels read it: each 128 bytes through words_4x4 (Q4_K, Q5_K) or each 64
  * through words_2x2 (Q6_K) */
@@ -853,7 +856,8 @@ ALWAYS void by_lane(const __m256i v[16], __m512i wq[8]) {
         u[h + 2] = _mm512_unpacklo_epi64(t[h + 1], t[h + 3]);
         u[h + 3] = _mm512_unpackhi_epi64(t[h + 1], t[h + 3]);
     }
-    const __m512i even = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), odd = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    const __m512i even = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    const __m512i odd = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
     for (int c = 0; c < 4; c++) {
         wq[c] = _mm512_permutex2var_epi64(u[c], even, u[4 + c]);
         wq[4 + c] = _mm512_permutex2var_epi64(u[c], odd, u[4 + c]);
@@ -873,7 +877,8 @@ ALWAYS void rows_q8_0_groups(const uint8_t *w, const acts *a, int64_t m0, const 
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = w + 16 * g * sizeof(block_q8_0);
         __m256i v[16];
-        for (int l = 0; l < 16; l++) v[l] = _mm256_loadu_si256((const __m256i *)(blk + l * sizeof(block_q8_0) + 2));
+        for (int l = 0; l < 16; l++)
+            v[l] = _mm256_loadu_si256((const __m256i *)(blk + l * sizeof(block_q8_0) + offsetof(block_q8_0, qs)));
         __m512i wq[8];
         by_lane(v, wq);
         __m512i sum = _mm512_setzero_si512();
