@@ -76,12 +76,15 @@ _Static_assert(sizeof(block_q4_K) == 144 && sizeof(block_q5_K) == 176 && sizeof(
  * the sums of each 16 [M, K / 16] (which its offset times its scales multiply); and d once more by pass, dt
  * [M rounded up to a pass, K / 32 or 256]: block b's d of the pass of rows m0.. (m0 a multiple of pass_rows)
  * side by side at dt + m0 * nb + b * pass_rows, so that a weight block's d times all of them is one product.
+ * For Q4_K's rows that rows_q4_k_by_lane multiplies, their q lies pass-major (x_by_lane's 512 bytes of pair p of
+ * row m at m0 * K + (p * mr + m - m0) * 512, m0 the pass's first row and mr its rows), and lane [M, K / 16]
+ * beside it likewise: for each pair and row, each sub-block's d (16), then d * sum (16).
  * Held in pieces of `span` values of K, piece by piece (all M rows of the first, then of the second, ...):
  * a piece is an `acts` of its own (piece_of), and the products take x a piece at a time, so that the rows of
  * x a pass multiplies stay in L1 however deep K is (8 rows of an 8192-deep down projection are 64 KB). */
 typedef struct {
     int8_t *q;
-    float *d, *ds;
+    float *d, *ds, *lane;
     int16_t *sums16;
     float *dt;  /* d again, by pass: the d of block b of the pass's rows side by side (pass_rows, below) */
     int64_t M, K, span;
@@ -323,9 +326,9 @@ static void shuffle_for_k(int8_t *q, int64_t K, int type) {
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-/* x's row as the by-lane kernels of 32-value blocks read it (rows_q8_0_groups, rows_q4_groups): each whole 16
- * blocks (512 bytes) as 8 registers' worth, register o's 32-bit lane l bytes 4o..4o + 3 of block l; for Q8_0
- * offset by 128 to unsigned bytes. The count of blocks that lie so. */
+/* x's row as the by-lane kernels read it (rows_q8_0_groups, rows_q4_groups, rows_q4_k_by_lane): each whole 512
+ * bytes as 8 registers' worth, register o's 32-bit lane l bytes 4o..4o + 3 of the l-th 32 values (a block, or a
+ * Q4_K sub-block); for Q8_0 offset by 128 to unsigned bytes. The count of 32 values that lie so. */
 static int64_t x_by_lane(int8_t *q, int64_t K, int type) {
     const uint32_t offset = type == Q8_0 ? 0x80808080u : 0;
     for (int64_t i = 0; i + 512 <= K; i += 512) {
@@ -360,6 +363,13 @@ static void quantize_piece(const void *x, int kind, int64_t m, const acts *a, in
     const int qb = block_values(type);
     int8_t *q = a->q + m * K;
     float *d = a->d + m * (K / qb);
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    /* a row that lies pass-major is quantized here first: its place in q is other rows' (a pass of 2 or more
+     * rows takes x in pieces of at most 8,192 values) */
+    int8_t row[X_PIECE_BYTES / 2] __attribute__((aligned(64)));
+    const int pass_major = type == Q4_K && pass_of(m, a->M, MR) > 1 && K / 256 % 2 == 0;
+    if (pass_major) q = row;
+#endif
     quantize_row(x, kind, K, qb, q, d);
     const int64_t pass = pass_rows(qb), nb = K / qb;
     for (int64_t b = 0; b < nb; b++) a->dt[(m / pass * nb + b) * pass + m % pass] = d[b];
@@ -376,7 +386,22 @@ static void quantize_piece(const void *x, int kind, int64_t m, const acts *a, in
             for (int l = 0; l < 16; l++) s += q[16 * g + l];
             a->sums16[m * (K / 16) + g] = (int16_t)s;
         }
-    if (block_values(type) == 256 && pass_of(m, a->M, MR) > 1) {
+    if (qb == 256 && pass_of(m, a->M, MR) > 1) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+        if (pass_major) {
+            const int64_t m0 = m / MR * MR, mr = pass_of(m, a->M, MR);
+            x_by_lane(q, K, type);
+            for (int64_t p = 0; p < K / 512; p++) {
+                memcpy(a->q + m0 * K + (p * mr + m - m0) * 512, q + 512 * p, 512);
+                float *lane = a->lane + m0 * (K / 16) + (p * mr + m - m0) * 32;
+                for (int l = 0; l < 16; l++) {
+                    lane[l] = d[2 * p + l / 8];
+                    lane[16 + l] = a->ds[m * (K / 32) + 16 * p + l];
+                }
+            }
+            return;
+        }
+#endif
         shuffle_for_k(q, K, type);
 #if defined(__AVX512BW__)
         pair_blocks(q, K);
@@ -399,7 +424,7 @@ static void quantize_piece(const void *x, int kind, int64_t m, const acts *a, in
 /* The piece of x's pieces that holds values c * span.. of each row, as an `acts` of its own */
 static acts piece_of(const acts *a, int64_t c) {
     const int64_t k0 = c * a->span, K = a->K - k0 < a->span ? a->K - k0 : a->span, at = a->M * k0;
-    return (acts){a->q + at, a->d + at / a->qb, a->ds + at / 32, a->sums16 + at / 16,
+    return (acts){a->q + at, a->d + at / a->qb, a->ds + at / 32, a->lane + at / 16, a->sums16 + at / 16,
                   a->dt + padded_rows(a->M, a->qb) * k0 / a->qb, a->M, K, K, a->qb};
 }
 
@@ -481,6 +506,30 @@ ALWAYS void q45_k_many(const uint8_t *blk, const uint32_t u[4], const int five, 
  * multiply does twice the work of the 256-bit kernels'; an odd last block goes alone in the low halves. */
 ALWAYS __m512i side_by_side(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 
+/* 16 blocks' 32 values (v[l]: block l) as the by-lane kernels take them: register o's 32-bit lane l bytes
+ * 4o..4o + 3 of block l (an 8 x 8 transpose of the 32-bit words of blocks k and k + 8 in the halves of 8
+ * registers) */
+ALWAYS void by_lane(const __m256i v[16], __m512i wq[8]) {
+    __m512i z[8], t[8], u[8];
+    for (int k = 0; k < 8; k++) z[k] = side_by_side(v[k], v[k + 8]);
+    for (int k = 0; k < 8; k += 2) {
+        t[k] = _mm512_unpacklo_epi32(z[k], z[k + 1]);
+        t[k + 1] = _mm512_unpackhi_epi32(z[k], z[k + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) {  /* 128-bit lane j of u[h + c]: word c (j even) or 4 + c of 4 blocks */
+        u[h] = _mm512_unpacklo_epi64(t[h], t[h + 2]);
+        u[h + 1] = _mm512_unpackhi_epi64(t[h], t[h + 2]);
+        u[h + 2] = _mm512_unpacklo_epi64(t[h + 1], t[h + 3]);
+        u[h + 3] = _mm512_unpackhi_epi64(t[h + 1], t[h + 3]);
+    }
+    const __m512i even = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    const __m512i odd = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int c = 0; c < 4; c++) {
+        wq[c] = _mm512_permutex2var_epi64(u[c], even, u[4 + c]);
+        wq[4 + c] = _mm512_permutex2var_epi64(u[c], odd, u[4 + c]);
+    }
+}
+
 ALWAYS __m512 side_by_side_ps(__m256 lo, __m256 hi) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
 }
@@ -543,12 +592,65 @@ ALWAYS void rows_q45_k_pairs(const uint8_t *w, const acts *a, int64_t m0, const 
 }
 #endif
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* Q4_K against more than one row of x on AVX-512 VNNI, two blocks at a time by lane: each 32-bit lane one of
+ * their 16 sub-blocks, whose 32 products sum in it over 8 dot products, and each sub-block's d x scale, dmin x
+ * min and x's d and sum come by lane too: a row's two blocks are 8 dot products, a conversion and three
+ * multiplies, where side by side (rows_q45_k_pairs) the 16-bit sums of the products took 8 more adds and 2
+ * multiplies for the scales. x's rows lie pass-major (acts), so that each row's pair is at a constant offset
+ * from the pass's (a pointer a row and array spilled). A piece of an odd count of blocks goes side by side. */
+ALWAYS void rows_q4_k_by_lane(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    const int64_t K = a->K, nb = K / 256;
+    if (nb % 2) {
+        rows_q45_k_pairs(w, a, m0, mr, y, ldy, 0);
+        return;
+    }
+    __m512 acc[MR];
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 2) {
+        __m256i v[16], none = _mm256_setzero_si256();
+        __m256 scales[2], mins[2];
+        for (int k = 0; k < 2; k++) {
+            const uint8_t *blk = w + (b + k) * sizeof(block_q4_K);
+            uint32_t u[4];
+            __m256 d;
+            q45_k_header(blk, u, &d, &mins[k]);
+            scales[k] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                             _mm_cvtsi64_si128((int64_t)((uint64_t)u[1] << 32 | u[0])))));
+            for (int j = 0; j < 4; j++)
+                q45_k_values(blk + offsetof(block_q4_K, qs), &none, j, 0, &v[8 * k + 2 * j], &v[8 * k + 2 * j + 1]);
+        }
+        __m512i wq[8];
+        by_lane(v, wq);
+        const __m512 ws = side_by_side_ps(scales[0], scales[1]), wm = side_by_side_ps(mins[0], mins[1]);
+        const int8_t *x = a->q + m0 * K + b / 2 * mr * 512;
+        const float *lane = a->lane + m0 * (K / 16) + b / 2 * mr * 32;
+        EACH_ROW
+        for (int r = 0; r < mr; r++) {
+            __m512i dot = _mm512_setzero_si512();
+            for (int o = 0; o < 8; o++)
+                dot = _mm512_dpbusd_epi32(dot, wq[o], _mm512_loadu_si512(x + 512 * r + 64 * o));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), ws), _mm512_loadu_ps(lane + 32 * r),
+                                     acc[r]);
+            acc[r] = _mm512_fnmadd_ps(wm, _mm512_loadu_ps(lane + 32 * r + 16), acc[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++) y[r * ldy] = _mm512_reduce_add_ps(acc[r]);
+}
+#endif
+
 /* Q4_K and Q5_K: sub-blocks of 32 with 6-bit scales and mins; x's d * sum of each 32 carries the mins. One row
  * of x in the file's order, sub-block by sub-block; more (shuffled by words_4x4) against the whole block at
  * once, its values unpacked into eight registers first: each row's four products of a register's 128 values
  * summed in s16 (at most 4 x 2 x 31 x 127, no overflow), then one madd of their scales */
 ALWAYS void rows_q45_k(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy,
                        const int five) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    if (mr > 1 && !five) {
+        rows_q4_k_by_lane(w, a, m0, mr, y, ldy);
+        return;
+    }
+#endif
 #if defined(__AVX512BW__)
     if (mr > 1) {
         rows_q45_k_pairs(w, a, m0, mr, y, ldy, five);
@@ -837,30 +939,6 @@ ALWAYS void q8_0_pairs(const uint8_t *w, const acts *a, int64_t m0, const int mr
                                                   _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw, pair_d(a->d + i, two)), acc[r]);
         }
-    }
-}
-
-/* 16 blocks' 32 values (v[l]: block l) as the by-lane kernels take them: register o's 32-bit lane l bytes
- * 4o..4o + 3 of block l (an 8 x 8 transpose of the 32-bit words of blocks k and k + 8 in the halves of 8
- * registers) */
-ALWAYS void by_lane(const __m256i v[16], __m512i wq[8]) {
-    __m512i z[8], t[8], u[8];
-    for (int k = 0; k < 8; k++) z[k] = side_by_side(v[k], v[k + 8]);
-    for (int k = 0; k < 8; k += 2) {
-        t[k] = _mm512_unpacklo_epi32(z[k], z[k + 1]);
-        t[k + 1] = _mm512_unpackhi_epi32(z[k], z[k + 1]);
-    }
-    for (int h = 0; h < 8; h += 4) {  /* 128-bit lane j of u[h + c]: word c (j even) or 4 + c of 4 blocks */
-        u[h] = _mm512_unpacklo_epi64(t[h], t[h + 2]);
-        u[h + 1] = _mm512_unpackhi_epi64(t[h], t[h + 2]);
-        u[h + 2] = _mm512_unpacklo_epi64(t[h + 1], t[h + 3]);
-        u[h + 3] = _mm512_unpackhi_epi64(t[h + 1], t[h + 3]);
-    }
-    const __m512i even = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
-    const __m512i odd = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-    for (int c = 0; c < 4; c++) {
-        wq[c] = _mm512_permutex2var_epi64(u[c], even, u[4 + c]);
-        wq[4 + c] = _mm512_permutex2var_epi64(u[c], odd, u[4 + c]);
     }
 }
 
@@ -1223,13 +1301,14 @@ static int acts_alloc(acts *a, int64_t M, int64_t K, int type) {
     a->span = M == 1 || span >= K ? K : span > 512 ? span : 512;
     void *bytes;  /* on a cache line, as x's rows then are (K a multiple of 32): a load of 32 never straddles two */
     const int64_t dt_floats = padded_rows(M, qb) * K / qb;
-    if (posix_memalign(&bytes, 64, M * K + sizeof(float) * (M * K / qb + M * K / 32 + dt_floats) +
+    if (posix_memalign(&bytes, 64, M * K + sizeof(float) * (M * K / qb + 3 * (M * K / 32) + dt_floats) +
                                    sizeof(int16_t) * (M * K / 16)))
         return 1;
     a->q = bytes;
     a->d = (float *)(a->q + M * K);
     a->ds = a->d + M * K / qb;
-    a->dt = a->ds + M * K / 32;
+    a->lane = a->ds + M * K / 32;
+    a->dt = a->lane + 2 * (M * K / 32);
     a->sums16 = (int16_t *)(a->dt + dt_floats);
     return 0;
 }
