@@ -100,6 +100,25 @@ static int64_t pass_rows(int qb) { return qb == 256 ? MR : MR_SMALL; }
 /* M rounded up to a whole number of passes: the rows that dt holds */
 static int64_t padded_rows(int64_t M, int qb) { return (M + pass_rows(qb) - 1) / pass_rows(qb) * pass_rows(qb); }
 
+/* The rows of x in row m's pass, in passes of `pass` rows */
+static int64_t pass_of(int64_t m, int64_t M, int64_t pass) {
+    const int64_t left = M - m / pass * pass;
+    return left < pass ? left : pass;
+}
+
+/* Whether a pass of `rows` rows of x, K deep in its piece, goes by lane (AVX-512 VNNI): x's layout
+ * (quantize_piece) and the kernel the pass takes both ask here. Q4_0 and Q4_1 from Q4_BY_LANE rows; Q4_K two
+ * blocks at a time, so a piece of an odd count of blocks stays side by side. */
+static inline int by_lane_pass(int type, int64_t rows, int64_t K) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    if (type == Q8_0) return rows > 1;
+    if (type == Q4_0 || type == Q4_1) return rows >= Q4_BY_LANE;
+    if (type == Q4_K) return rows > 1 && K / 256 % 2 == 0;
+#endif
+    (void)type, (void)rows, (void)K;
+    return 0;
+}
+
 static int64_t block_bytes(int type) {
     switch (type) {
     case Q4_0: return sizeof(block_q4_0);
@@ -306,12 +325,6 @@ ALWAYS void words_2x2(__m256i v[2]) {
     v[0] = lo;
 }
 
-/* The rows of x in row m's pass, in passes of `pass` rows */
-static int64_t pass_of(int64_t m, int64_t M, int64_t pass) {
-    const int64_t left = M - m / pass * pass;
-    return left < pass ? left : pass;
-}
-
 /* x's row as the many-row K-quant kernels read it: each 128 bytes through words_4x4 (Q4_K, Q5_K) or each 64
  * through words_2x2 (Q6_K) */
 static void shuffle_for_k(int8_t *q, int64_t K, int type) {
@@ -361,17 +374,15 @@ static void pair_blocks(int8_t *q, int64_t K) {
 static void quantize_piece(const void *x, int kind, int64_t m, const acts *a, int type) {
     const int64_t K = a->K;
     const int qb = block_values(type);
+    const int64_t pass = pass_rows(qb), nb = K / qb, mr = pass_of(m, a->M, pass);
+    const int lanes = by_lane_pass(type, mr, K);
     int8_t *q = a->q + m * K;
     float *d = a->d + m * (K / qb);
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    /* a row that lies pass-major is quantized here first: its place in q is other rows' (a pass of 2 or more
-     * rows takes x in pieces of at most 8,192 values) */
+    /* a Q4_K row that goes by lane lies pass-major, so is quantized here first: its place in q is other rows'
+     * (a pass of 2 or more rows takes x in pieces of at most X_PIECE_BYTES / 2 values) */
     int8_t row[X_PIECE_BYTES / 2] __attribute__((aligned(64)));
-    const int pass_major = type == Q4_K && pass_of(m, a->M, MR) > 1 && K / 256 % 2 == 0;
-    if (pass_major) q = row;
-#endif
+    if (lanes && type == Q4_K) q = row;
     quantize_row(x, kind, K, qb, q, d);
-    const int64_t pass = pass_rows(qb), nb = K / qb;
     for (int64_t b = 0; b < nb; b++) a->dt[(m / pass * nb + b) * pass + m % pass] = d[b];
     if (type != Q6_K)
         for (int64_t b = 0; b < K / 32; b++) {
@@ -386,10 +397,10 @@ static void quantize_piece(const void *x, int kind, int64_t m, const acts *a, in
             for (int l = 0; l < 16; l++) s += q[16 * g + l];
             a->sums16[m * (K / 16) + g] = (int16_t)s;
         }
-    if (qb == 256 && pass_of(m, a->M, MR) > 1) {
+    if (qb == 256 && mr > 1) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-        if (pass_major) {
-            const int64_t m0 = m / MR * MR, mr = pass_of(m, a->M, MR);
+        if (lanes) {
+            const int64_t m0 = m / pass * pass;
             x_by_lane(q, K, type);
             for (int64_t p = 0; p < K / 512; p++) {
                 memcpy(a->q + m0 * K + (p * mr + m - m0) * 512, q + 512 * p, 512);
@@ -409,7 +420,7 @@ static void quantize_piece(const void *x, int kind, int64_t m, const acts *a, in
     }
     int64_t by_lane = 0;  /* blocks that x_by_lane laid out */
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    if (qb == 32 && pass_of(m, a->M, MR_SMALL) >= (type == Q8_0 ? 2 : Q4_BY_LANE)) by_lane = x_by_lane(q, K, type);
+    if (lanes) by_lane = x_by_lane(q, K, type);
 #endif
     if (type == Q4_0 || type == Q4_1)  /* each further pair of blocks as rows_q4_pairs reads it */
         for (int64_t b = by_lane; b + 1 < K / 32; b += 2) {
@@ -530,6 +541,13 @@ ALWAYS void by_lane(const __m256i v[16], __m512i wq[8]) {
     }
 }
 
+/* The fp16 at offset `at` of 16 blocks of `size` bytes from blk, block l's in lane l */
+ALWAYS __m512 halves_by_lane(const uint8_t *blk, int64_t size, int64_t at) {
+    uint16_t h[16] __attribute__((aligned(32)));
+    for (int l = 0; l < 16; l++) memcpy(&h[l], blk + l * size + at, 2);
+    return _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)h));
+}
+
 ALWAYS __m512 side_by_side_ps(__m256 lo, __m256 hi) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
 }
@@ -598,13 +616,9 @@ ALWAYS void rows_q45_k_pairs(const uint8_t *w, const acts *a, int64_t m0, const 
  * min and x's d and sum come by lane too: a row's two blocks are 8 dot products, a conversion and three
  * multiplies, where side by side (rows_q45_k_pairs) the 16-bit sums of the products took 8 more adds and 2
  * multiplies for the scales. x's rows lie pass-major (acts), so that each row's pair is at a constant offset
- * from the pass's (a pointer a row and array spilled). A piece of an odd count of blocks goes side by side. */
+ * from the pass's (a pointer a row and array spilled). */
 ALWAYS void rows_q4_k_by_lane(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
     const int64_t K = a->K, nb = K / 256;
-    if (nb % 2) {
-        rows_q45_k_pairs(w, a, m0, mr, y, ldy, 0);
-        return;
-    }
     __m512 acc[MR];
     for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b += 2) {
@@ -646,7 +660,7 @@ ALWAYS void rows_q4_k_by_lane(const uint8_t *w, const acts *a, int64_t m0, const
 ALWAYS void rows_q45_k(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy,
                        const int five) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    if (mr > 1 && !five) {
+    if (!five && by_lane_pass(Q4_K, mr, a->K)) {
         rows_q4_k_by_lane(w, a, m0, mr, y, ldy);
         return;
     }
@@ -962,9 +976,7 @@ ALWAYS void rows_q8_0_groups(const uint8_t *w, const acts *a, int64_t m0, const 
         __m512i sum = _mm512_setzero_si512();
         for (int o = 0; o < 8; o++) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), wq[o]);
         const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7));
-        uint16_t d16[16] __attribute__((aligned(32)));
-        for (int l = 0; l < 16; l++) memcpy(&d16[l], blk + l * sizeof(block_q8_0), 2);
-        const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)d16));
+        const __m512 dw = halves_by_lane(blk, sizeof(block_q8_0), offsetof(block_q8_0, d));
         EACH_ROW
         for (int r = 0; r < mr; r++) {
             const int8_t *x = a->q + (m0 + r) * K + 512 * g;
@@ -1004,7 +1016,7 @@ ALWAYS void rows_q8_0_many(const uint8_t *w, const acts *a, int64_t m0, const in
 
 ALWAYS void rows_q8_0(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    if (mr > 1) {
+    if (by_lane_pass(Q8_0, mr, a->K)) {
         rows_q8_0_groups(w, a, m0, mr, y, ldy);
         return;
     }
@@ -1102,17 +1114,11 @@ ALWAYS void rows_q4_groups(int type, const uint8_t *w, const acts *a, int64_t m0
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *blk = w + 16 * g * size;
         __m256i v[16];
-        uint16_t d16[16] __attribute__((aligned(32))), m16[16] __attribute__((aligned(32)));
-        for (int l = 0; l < 16; l++) {
-            v[l] = nibbles(blk + l * size + qs);
-            memcpy(&d16[l], blk + l * size, 2);
-            memcpy(&m16[l], blk + l * size + 2, 2);
-        }
+        for (int l = 0; l < 16; l++) v[l] = nibbles(blk + l * size + qs);
         __m512i wq[8];
         by_lane(v, wq);
-        const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)d16));
-        const __m512 offset = type == Q4_1 ? _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)m16))
-                                           : _mm512_mul_ps(_mm512_set1_ps(-8.0f), dw);
+        const __m512 dw = halves_by_lane(blk, size, 0);  /* d, then Q4_1's m */
+        const __m512 offset = type == Q4_1 ? halves_by_lane(blk, size, 2) : _mm512_mul_ps(_mm512_set1_ps(-8.0f), dw);
         EACH_ROW
         for (int r = 0; r < mr; r++) {
             const int8_t *x = a->q + (m0 + r) * K + 512 * g;
@@ -1130,7 +1136,7 @@ ALWAYS void rows_q4_groups(int type, const uint8_t *w, const acts *a, int64_t m0
 
 ALWAYS void rows_q4(int type, const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    if (mr >= Q4_BY_LANE) {
+    if (by_lane_pass(type, mr, a->K)) {
         rows_q4_groups(type, w, a, m0, mr, y, ldy);
         return;
     }
