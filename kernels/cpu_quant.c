@@ -12,7 +12,8 @@
  * The weight rows are split between the OpenMP threads in contiguous ranges; a thread takes its range in
  * tiles small enough to stay in L2, and multiplies each row of a tile against MR rows of x at a time, a piece
  * of K at a time (the piece's bytes of x stay in L1 across the tile), so the weights are read from memory
- * once a call whatever M is, and each weight block is unpacked once per MR rows of x.
+ * once a call whatever M is, and each weight block is unpacked once per MR rows of x (Q4_K's by lane, once a
+ * tile for all of a prefill's rows: unpack_tile).
  *
  * One file, built per instruction set: with -mavx2 -mfma -mf16c the AVX2 kernels below (with VNNI, their
  * byte products in vpdpbusd); with AVX-512 as well, the many-row kernels take two blocks at once in 512-bit
@@ -541,6 +542,31 @@ ALWAYS void by_lane(const __m256i v[16], __m512i wq[8]) {
     }
 }
 
+/* y[r * ldy] = the sum of acc[r]'s lanes, r < mr: for more than 4 rows 16 sums at once, in four rounds that each
+ * halve the registers (two shuffles and an add a pair), where one row at a time took 8 operations a row: as many
+ * as a Q4_K pass by lane spends on a row's 1,024-value piece of x before it sums them. */
+ALWAYS void store_sums(const __m512 acc[MR], const int mr, float *y, int64_t ldy) {
+    if (mr <= 4) {
+        for (int r = 0; r < mr; r++) y[r * ldy] = _mm512_reduce_add_ps(acc[r]);
+        return;
+    }
+    __m512 a[16];
+    for (int r = 0; r < 16; r++) a[r] = r < mr ? acc[r] : _mm512_setzero_ps();
+    for (int i = 0; i < 8; i++)  /* 128-bit lane j of a[i]: 2i, 2i + 1, 2i, 2i + 1's sums of lanes 4j.. */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  /* ... rows 4i..4i + 3's */
+        a[i] = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]))),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]))));
+    for (int i = 0; i < 2; i++)  /* 128-bit lanes 0, 1: rows 8i.. over lanes 0-1, 2-3; lanes 2, 3: rows 8i + 4.. */
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    a[0] = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x88), _mm512_shuffle_f32x4(a[0], a[1], 0xDD));
+    float sums[16] __attribute__((aligned(64)));
+    _mm512_store_ps(sums, a[0]);
+    for (int r = 0; r < mr; r++) y[r * ldy] = sums[r];
+}
+
 /* The fp16 at offset `at` of 16 blocks of `size` bytes from blk, block l's in lane l */
 ALWAYS __m512 halves_by_lane(const uint8_t *blk, int64_t size, int64_t at) {
     uint16_t h[16] __attribute__((aligned(32)));
@@ -617,39 +643,59 @@ ALWAYS void rows_q45_k_pairs(const uint8_t *w, const acts *a, int64_t m0, const 
  * multiplies, where side by side (rows_q45_k_pairs) the 16-bit sums of the products took 8 more adds and 2
  * multiplies for the scales. x's rows lie pass-major (acts), so that each row's pair is at a constant offset
  * from the pass's (a pointer a row and array spilled). */
-ALWAYS void rows_q4_k_by_lane(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
-    const int64_t K = a->K, nb = K / 256;
+typedef struct {
+    __m512i wq[8];        /* the values, through by_lane */
+    __m512 scales, mins;  /* each sub-block's d x scale and dmin x min */
+} q4_k_lanes;
+
+/* Blocks blk and blk + 1 by lane */
+ALWAYS void q4_k_lanes_of(const uint8_t *blk, q4_k_lanes *u) {
+    __m256i v[16], none = _mm256_setzero_si256();
+    __m256 scales[2], mins[2];
+    for (int k = 0; k < 2; k++) {
+        const uint8_t *b = blk + k * sizeof(block_q4_K);
+        uint32_t s[4];
+        __m256 d;
+        q45_k_header(b, s, &d, &mins[k]);
+        scales[k] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                         _mm_cvtsi64_si128((int64_t)((uint64_t)s[1] << 32 | s[0])))));
+        for (int j = 0; j < 4; j++)
+            q45_k_values(b + offsetof(block_q4_K, qs), &none, j, 0, &v[8 * k + 2 * j], &v[8 * k + 2 * j + 1]);
+    }
+    by_lane(v, u->wq);
+    u->scales = side_by_side_ps(scales[0], scales[1]);
+    u->mins = side_by_side_ps(mins[0], mins[1]);
+}
+
+/* Two blocks by lane against the mr rows of x's pair at x, their d's and sums at lane, into acc */
+ALWAYS void q4_k_lanes_rows(const q4_k_lanes *u, const int8_t *x, const float *lane, const int mr, __m512 acc[MR]) {
+    EACH_ROW
+    for (int r = 0; r < mr; r++) {
+        __m512i dot = _mm512_setzero_si512();
+        for (int o = 0; o < 8; o++) dot = _mm512_dpbusd_epi32(dot, u->wq[o], _mm512_loadu_si512(x + 512 * r + 64 * o));
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), u->scales), _mm512_loadu_ps(lane + 32 * r),
+                                 acc[r]);
+        acc[r] = _mm512_fnmadd_ps(u->mins, _mm512_loadu_ps(lane + 32 * r + 16), acc[r]);
+    }
+}
+
+/* Q4_K's weight row at w by lane: unpacked here, pair by pair (`unpacked` 0), or already, as q4_k_lanes (1) */
+ALWAYS void rows_q4_k_by_lane(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy,
+                              const int unpacked) {
+    const int64_t K = a->K;
     __m512 acc[MR];
     for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b += 2) {
-        __m256i v[16], none = _mm256_setzero_si256();
-        __m256 scales[2], mins[2];
-        for (int k = 0; k < 2; k++) {
-            const uint8_t *blk = w + (b + k) * sizeof(block_q4_K);
-            uint32_t u[4];
-            __m256 d;
-            q45_k_header(blk, u, &d, &mins[k]);
-            scales[k] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                             _mm_cvtsi64_si128((int64_t)((uint64_t)u[1] << 32 | u[0])))));
-            for (int j = 0; j < 4; j++)
-                q45_k_values(blk + offsetof(block_q4_K, qs), &none, j, 0, &v[8 * k + 2 * j], &v[8 * k + 2 * j + 1]);
-        }
-        __m512i wq[8];
-        by_lane(v, wq);
-        const __m512 ws = side_by_side_ps(scales[0], scales[1]), wm = side_by_side_ps(mins[0], mins[1]);
-        const int8_t *x = a->q + m0 * K + b / 2 * mr * 512;
-        const float *lane = a->lane + m0 * (K / 16) + b / 2 * mr * 32;
-        EACH_ROW
-        for (int r = 0; r < mr; r++) {
-            __m512i dot = _mm512_setzero_si512();
-            for (int o = 0; o < 8; o++)
-                dot = _mm512_dpbusd_epi32(dot, wq[o], _mm512_loadu_si512(x + 512 * r + 64 * o));
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), ws), _mm512_loadu_ps(lane + 32 * r),
-                                     acc[r]);
-            acc[r] = _mm512_fnmadd_ps(wm, _mm512_loadu_ps(lane + 32 * r + 16), acc[r]);
-        }
+    for (int64_t p = 0; p < K / 512; p++) {
+        q4_k_lanes here;
+        if (!unpacked) q4_k_lanes_of(w + 2 * p * sizeof(block_q4_K), &here);
+        q4_k_lanes_rows(unpacked ? (const q4_k_lanes *)w + p : &here, a->q + m0 * K + p * mr * 512,
+                        a->lane + m0 * (K / 16) + p * mr * 32, mr, acc);
     }
-    for (int r = 0; r < mr; r++) y[r * ldy] = _mm512_reduce_add_ps(acc[r]);
+    store_sums(acc, mr, y, ldy);
+}
+
+ALWAYS void rows_q4_k_unpacked(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    rows_q4_k_by_lane(w, a, m0, mr, y, ldy, 1);
 }
 #endif
 
@@ -661,7 +707,7 @@ ALWAYS void rows_q45_k(const uint8_t *w, const acts *a, int64_t m0, const int mr
                        const int five) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
     if (!five && by_lane_pass(Q4_K, mr, a->K)) {
-        rows_q4_k_by_lane(w, a, m0, mr, y, ldy);
+        rows_q4_k_by_lane(w, a, m0, mr, y, ldy, 0);
         return;
     }
 #endif
@@ -1244,7 +1290,7 @@ static void store_out(const float out[][OUT_ROWS], int mr, int64_t count, float 
  * hardware's prefetcher alone, following a piece of each row at a time, left the first pass waiting on them.
  * (One row of x streams its weights with PREFETCH_AHEAD instead.) */
 #define PREFETCH_NEXT_TILE(k, next_row, bytes)                                                               \
-    if ((k) > 1 && m0 == 0 && !add)                                                                          \
+    if (prefetch && (k) > 1 && m0 == 0 && !add)                                                              \
         for (int64_t line_ = 0; line_ < (bytes); line_ += 64) __builtin_prefetch((next_row) + line_, 0, 2);
 
 #define TILE_CASE(kernel, k)                                                                                 \
@@ -1266,9 +1312,10 @@ static void store_out(const float out[][OUT_ROWS], int mr, int64_t count, float 
 #else
 #define WIDE_CASES(kernel)
 #endif
-#define TILE(name, kernel)                                                                                   \
+#define TILE(name, kernel, prefetching)                                                                      \
     static void name(const uint8_t *w, int64_t row_bytes, int64_t rows, const acts *a, int64_t m0, int mr,   \
                      float *y, int64_t ldy, int add) {                                                       \
+        const int prefetch = prefetching;                                                                    \
         switch (mr) {                                                                                        \
         TILE_CASE(kernel, 1) TILE_CASE(kernel, 2) TILE_CASE(kernel, 3) TILE_CASE(kernel, 4)                  \
         TILE_CASE(kernel, 5) TILE_CASE(kernel, 6) TILE_CASE(kernel, 7) WIDE_CASES(kernel)                    \
@@ -1276,12 +1323,15 @@ static void store_out(const float out[][OUT_ROWS], int mr, int64_t count, float 
         }                                                                                                    \
     }
 _Static_assert(MR == 8 || MR == 16, "TILE instantiates mr = 1..MR");
-TILE(tile_q4_0, rows_q4_0)
-TILE(tile_q4_1, rows_q4_1)
-TILE(tile_q8_0, rows_q8_0)
-TILE(tile_q4_k, rows_q4_k)
-TILE(tile_q5_k, rows_q5_k)
-TILE(tile_q6_k, rows_q6_k)
+TILE(tile_q4_0, rows_q4_0, 1)
+TILE(tile_q4_1, rows_q4_1, 1)
+TILE(tile_q8_0, rows_q8_0, 1)
+TILE(tile_q4_k, rows_q4_k, 1)
+TILE(tile_q5_k, rows_q5_k, 1)
+TILE(tile_q6_k, rows_q6_k, 1)
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+TILE(tile_q4_k_unpacked, rows_q4_k_unpacked, 0)  /* its weights are unpack_tile's, which asked for the next tile */
+#endif
 
 static tile_fn tile_for(int type) {
     switch (type) {
@@ -1329,6 +1379,37 @@ typedef struct {
     int64_t ldy;
 } product;
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* A thread's tile of Q4_K weights by lane, when x has more than one pass: a prefill's hundreds of rows
+ * then unpack each weight block once, not once a pass. Kept for the thread's life (~2.2 x TILE_BYTES). */
+static _Thread_local q4_k_lanes *tile_lanes;
+static _Thread_local int64_t tile_lanes_count;
+
+/* The tile's `rows` rows of Q4_K at w (row_bytes apart) into tile_lanes: for each piece of x (a) that goes by
+ * lane, its rows' pairs one row after another from c x rows x span / 512, c the piece. Asks for the next
+ * tile's rows as it goes, as PREFETCH_NEXT_TILE does. NULL where the buffer could not be had. */
+static const q4_k_lanes *unpack_tile(const uint8_t *w, int64_t row_bytes, int64_t rows, const acts *a) {
+    const int64_t count = rows * (a->K / 512);
+    if (count > tile_lanes_count) {
+        free(tile_lanes);
+        tile_lanes_count = 0;
+        if (posix_memalign((void **)&tile_lanes, 64, sizeof(q4_k_lanes) * count)) return tile_lanes = NULL;
+        tile_lanes_count = count;
+    }
+    for (int64_t n = 0; n < rows; n++) {
+        for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(w + (n + rows) * row_bytes + line, 0, 2);
+        for (int64_t c = 0; c * a->span < a->K; c++) {
+            const int64_t K = a->K - c * a->span < a->span ? a->K - c * a->span : a->span;
+            if (!by_lane_pass(Q4_K, MR, K)) continue;
+            const uint8_t *row = w + n * row_bytes + c * a->span / 256 * sizeof(block_q4_K);
+            q4_k_lanes *to = tile_lanes + c * rows * (a->span / 512) + n * (K / 512);
+            for (int64_t p = 0; p < K / 512; p++) q4_k_lanes_of(row + 2 * p * sizeof(block_q4_K), to + p);
+        }
+    }
+    return tile_lanes;
+}
+#endif
+
 /* Called by every thread of a parallel region: each takes its own contiguous share of each product's rows, in
  * tiles of about TILE_BYTES, so that a weight streams from memory once and the threads finish together. The
  * caller puts a barrier after it before reading y. */
@@ -1344,11 +1425,24 @@ static void run_products(const product *p, int count, int64_t M) {
         const int64_t piece_bytes = span / block_values(p[i].type) * block_bytes(p[i].type);
         for (int64_t n0 = begin; n0 < end; n0 += tile_rows) {
             const int64_t rows = n0 + tile_rows < end ? tile_rows : end - n0;
+            const uint8_t *w = p[i].w + n0 * row_bytes;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+            const q4_k_lanes *lanes = p[i].type == Q4_K && M >= 2 * pass ? unpack_tile(w, row_bytes, rows, p[i].a) : NULL;
+#endif
             for (int64_t m0 = 0; m0 < M; m0 += pass)
                 for (int64_t c = 0; c * span < p[i].a->K; c++) {
                     const acts piece = piece_of(p[i].a, c);
-                    tile(p[i].w + n0 * row_bytes + c * piece_bytes, row_bytes, rows, &piece, m0,
-                         M - m0 < pass ? M - m0 : pass, p[i].y + m0 * p[i].ldy + n0, p[i].ldy, c > 0);
+                    const int mr = M - m0 < pass ? M - m0 : pass;
+                    float *y = p[i].y + m0 * p[i].ldy + n0;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+                    if (lanes && by_lane_pass(Q4_K, mr, piece.K)) {
+                        tile_q4_k_unpacked((const uint8_t *)(lanes + c * rows * (span / 512)),
+                                           piece.K / 512 * (int64_t)sizeof(q4_k_lanes), rows, &piece, m0, mr, y,
+                                           p[i].ldy, c > 0);
+                        continue;
+                    }
+#endif
+                    tile(w + c * piece_bytes, row_bytes, rows, &piece, m0, mr, y, p[i].ldy, c > 0);
                 }
         }
     }

@@ -21,7 +21,10 @@ T = GGMLQuantizationType
 # model's Q4_1, and 32-blocks beside 256-blocks
 LAYER_TYPES = [(T.Q4_K, T.Q4_K, T.Q6_K, T.Q4_K, T.Q4_K, T.Q4_K, T.Q6_K), (T.Q8_0,) * 7, (T.Q4_1,) * 7,
                (T.Q4_0, T.Q5_K, T.Q8_0, T.Q6_K, T.Q4_0, T.Q5_K, T.Q8_0)]
-RELATIVE = 2e-3  # of the output's RMS
+# of the output's RMS: a value between the products that fp32 and float64 round to neighbouring 8-bit steps moves
+# a call of a few rows by up to ~6e-3 of it (2e-3 failed one case in ~2,000, seed 4354501 of test_mlp on Q8_0 at
+# 2 rows); a wrong block, scale, row or order moves it by 1e-1 or more
+RELATIVE = 1e-2
 
 pytestmark = pytest.mark.skipif(not ISAS, reason="cpu_quant.c could not be built here")
 
