@@ -12,8 +12,8 @@
  * The weight rows are split between the OpenMP threads in contiguous ranges; a thread takes its range in
  * tiles small enough to stay in L2, and multiplies each row of a tile against MR rows of x at a time, a piece
  * of K at a time (the piece's bytes of x stay in L1 across the tile), so the weights are read from memory
- * once a call whatever M is, and each weight block is unpacked once per MR rows of x (Q4_K's by lane, once a
- * tile for all of a prefill's rows: unpack_tile).
+ * once a call whatever M is, and each weight block is unpacked once per MR rows of x (Q4_K's and Q6_K's by
+ * lane, once a tile for all of a prefill's rows: unpack_tile).
  *
  * One file, built per instruction set: with -mavx2 -mfma -mf16c the AVX2 kernels below (with VNNI, their
  * byte products in vpdpbusd); with AVX-512 as well, the many-row kernels take two blocks at once in 512-bit
@@ -47,6 +47,7 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* ggml
 /* the rows of a pass from which Q4_0 and Q4_1 take the by-lane kernels (AVX-512 VNNI): at 2, unpacking 16 blocks
  * for each weight row cost more than it saved (bench/RESULTS.md) */
 #define Q4_BY_LANE 3
+#define Q6_BY_LANE 5  /* and Q6_K from 5: its unpacking by lane costs more */
 #define TILE_BYTES 65536  /* the weight bytes of a tile (L2-resident while all of x passes over it) */
 #define X_PIECE_BYTES 16384  /* the bytes of x's rows in a pass over a tile, L1-resident while its rows pass (`acts`) */
 #define ALWAYS static inline __attribute__((always_inline))
@@ -77,9 +78,9 @@ _Static_assert(sizeof(block_q4_K) == 144 && sizeof(block_q5_K) == 176 && sizeof(
  * the sums of each 16 [M, K / 16] (which its offset times its scales multiply); and d once more by pass, dt
  * [M rounded up to a pass, K / 32 or 256]: block b's d of the pass of rows m0.. (m0 a multiple of pass_rows)
  * side by side at dt + m0 * nb + b * pass_rows, so that a weight block's d times all of them is one product.
- * For Q4_K's rows that rows_q4_k_by_lane multiplies, their q lies pass-major (x_by_lane's 512 bytes of pair p of
- * row m at m0 * K + (p * mr + m - m0) * 512, m0 the pass's first row and mr its rows), and lane [M, K / 16]
- * beside it likewise: for each pair and row, each sub-block's d (16), then d * sum (16).
+ * For Q4_K's and Q6_K's rows that the by-lane kernels multiply, their q lies pass-major (x_by_lane's 512 bytes of
+ * pair p of row m at m0 * K + (p * mr + m - m0) * 512, m0 the pass's first row and mr its rows), and lane
+ * [M, K / 16] beside it likewise: for each pair and row, each lane's d (16), then for Q4_K d * sum (16).
  * Held in pieces of `span` values of K, piece by piece (all M rows of the first, then of the second, ...):
  * a piece is an `acts` of its own (piece_of), and the products take x a piece at a time, so that the rows of
  * x a pass multiplies stay in L1 however deep K is (8 rows of an 8192-deep down projection are 64 KB). */
@@ -108,13 +109,14 @@ static int64_t pass_of(int64_t m, int64_t M, int64_t pass) {
 }
 
 /* Whether a pass of `rows` rows of x, K deep in its piece, goes by lane (AVX-512 VNNI): x's layout
- * (quantize_piece) and the kernel the pass takes both ask here. Q4_0 and Q4_1 from Q4_BY_LANE rows; Q4_K two
- * blocks at a time, so a piece of an odd count of blocks stays side by side. */
+ * (quantize_piece) and the kernel the pass takes both ask here. Q4_0 and Q4_1 from Q4_BY_LANE rows, Q6_K from
+ * Q6_BY_LANE; Q4_K and Q6_K two blocks at a time, so a piece of an odd count of blocks stays side by side. */
 static inline int by_lane_pass(int type, int64_t rows, int64_t K) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
     if (type == Q8_0) return rows > 1;
     if (type == Q4_0 || type == Q4_1) return rows >= Q4_BY_LANE;
     if (type == Q4_K) return rows > 1 && K / 256 % 2 == 0;
+    if (type == Q6_K) return rows >= Q6_BY_LANE && K / 256 % 2 == 0;
 #endif
     (void)type, (void)rows, (void)K;
     return 0;
@@ -340,11 +342,12 @@ static void shuffle_for_k(int8_t *q, int64_t K, int type) {
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-/* x's row as the by-lane kernels read it (rows_q8_0_groups, rows_q4_groups, rows_q4_k_by_lane): each whole 512
+/* x's row as the by-lane kernels read it (rows_q8_0_groups, rows_q4_groups, rows_k_by_lane): each whole 512
  * bytes as 8 registers' worth, register o's 32-bit lane l bytes 4o..4o + 3 of the l-th 32 values (a block, or a
- * Q4_K sub-block); for Q8_0 offset by 128 to unsigned bytes. The count of 32 values that lie so. */
+ * K-quant's sub-block or two); for Q8_0 and Q6_K offset by 128 to unsigned bytes. The count of 32 values that
+ * lie so. */
 static int64_t x_by_lane(int8_t *q, int64_t K, int type) {
-    const uint32_t offset = type == Q8_0 ? 0x80808080u : 0;
+    const uint32_t offset = type == Q8_0 || type == Q6_K ? 0x80808080u : 0;
     for (int64_t i = 0; i + 512 <= K; i += 512) {
         uint32_t t[128];
         for (int l = 0; l < 16; l++)
@@ -379,10 +382,10 @@ static void quantize_piece(const void *x, int kind, int64_t m, const acts *a, in
     const int lanes = by_lane_pass(type, mr, K);
     int8_t *q = a->q + m * K;
     float *d = a->d + m * (K / qb);
-    /* a Q4_K row that goes by lane lies pass-major, so is quantized here first: its place in q is other rows'
+    /* a K-quant row that goes by lane lies pass-major, so is quantized here first: its place in q is other rows'
      * (a pass of 2 or more rows takes x in pieces of at most X_PIECE_BYTES / 2 values) */
     int8_t row[X_PIECE_BYTES / 2] __attribute__((aligned(64)));
-    if (lanes && type == Q4_K) q = row;
+    if (lanes && qb == 256) q = row;
     quantize_row(x, kind, K, qb, q, d);
     for (int64_t b = 0; b < nb; b++) a->dt[(m / pass * nb + b) * pass + m % pass] = d[b];
     if (type != Q6_K)
@@ -408,7 +411,7 @@ static void quantize_piece(const void *x, int kind, int64_t m, const acts *a, in
                 float *lane = a->lane + m0 * (K / 16) + (p * mr + m - m0) * 32;
                 for (int l = 0; l < 16; l++) {
                     lane[l] = d[2 * p + l / 8];
-                    lane[16 + l] = a->ds[m * (K / 32) + 16 * p + l];
+                    lane[16 + l] = type == Q4_K ? a->ds[m * (K / 32) + 16 * p + l] : 0.0f;
                 }
             }
             return;
@@ -679,24 +682,9 @@ ALWAYS void q4_k_lanes_rows(const q4_k_lanes *u, const int8_t *x, const float *l
     }
 }
 
-/* Q4_K's weight row at w by lane: unpacked here, pair by pair (`unpacked` 0), or already, as q4_k_lanes (1) */
-ALWAYS void rows_q4_k_by_lane(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy,
-                              const int unpacked) {
-    const int64_t K = a->K;
-    __m512 acc[MR];
-    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < K / 512; p++) {
-        q4_k_lanes here;
-        if (!unpacked) q4_k_lanes_of(w + 2 * p * sizeof(block_q4_K), &here);
-        q4_k_lanes_rows(unpacked ? (const q4_k_lanes *)w + p : &here, a->q + m0 * K + p * mr * 512,
-                        a->lane + m0 * (K / 16) + p * mr * 32, mr, acc);
-    }
-    store_sums(acc, mr, y, ldy);
-}
-
-ALWAYS void rows_q4_k_unpacked(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
-    rows_q4_k_by_lane(w, a, m0, mr, y, ldy, 1);
-}
+/* A Q4_K or Q6_K weight row at w by lane (below, where both kinds of pairs are known) */
+ALWAYS void rows_k_by_lane(int type, const uint8_t *w, const acts *a, int64_t m0, int mr, float *y, int64_t ldy,
+                           int unpacked);
 #endif
 
 /* Q4_K and Q5_K: sub-blocks of 32 with 6-bit scales and mins; x's d * sum of each 32 carries the mins. One row
@@ -707,7 +695,7 @@ ALWAYS void rows_q45_k(const uint8_t *w, const acts *a, int64_t m0, const int mr
                        const int five) {
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
     if (!five && by_lane_pass(Q4_K, mr, a->K)) {
-        rows_q4_k_by_lane(w, a, m0, mr, y, ldy, 0);
+        rows_k_by_lane(Q4_K, w, a, m0, mr, y, ldy, 0);
         return;
     }
 #endif
@@ -844,12 +832,100 @@ ALWAYS void rows_q6_k_pairs(const uint8_t *w, const acts *a, int64_t m0, const i
 }
 #endif
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* Q6_K against more than one row of x on AVX-512 VNNI, two blocks at a time by lane, as Q4_K: register o's lane
+ * l (by_lane over the blocks' 32-value groups) bytes 4o..4o + 3 of sub-block 2l' (o < 4) or 2l' + 1 (o >= 4) of
+ * block l / 8, l' = l % 8, so that two sums of 4 dot products a row hold the 32 sub-blocks. The values go signed
+ * (less their 32) against x's offset by 128 to unsigned bytes; each sum starts at -128 x its 16 values' sum, once
+ * per weight row for all rows. A row's two blocks: 8 dot products, 2 conversions and three multiplies, where side
+ * by side (rows_q6_k_pairs) the 16-bit sums and the offset's took 12 more operations. */
+typedef struct {
+    __m512i wq[8];      /* the values less 32, through by_lane */
+    __m512i start[2];   /* -128 x each sub-block's sum: of the even ones, then of the odd */
+    __m512 scales[2];   /* d x each sub-block's scale, likewise */
+} q6_k_lanes;
+
+/* Blocks blk and blk + 1 by lane */
+ALWAYS void q6_k_lanes_of(const uint8_t *blk, q6_k_lanes *u) {
+    __m256i v[16];
+    __m256 scales[2][2];
+    for (int k = 0; k < 2; k++) {
+        const block_q6_K *b = (const block_q6_K *)(blk + k * sizeof(block_q6_K));
+        for (int h = 0; h < 2; h++) q6_k_values(b, h, v + 8 * k + 4 * h);
+        for (int g = 0; g < 8; g++) v[8 * k + g] = _mm256_sub_epi8(v[8 * k + g], _mm256_set1_epi8(32));
+        /* the even scales in the low 8 bytes, the odd in the high */
+        const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)b->scales),
+                                            _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+        const __m256 d = _mm256_set1_ps(half_at((const uint8_t *)&b->d));
+        scales[k][0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+        scales[k][1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+    }
+    by_lane(v, u->wq);
+    for (int e = 0; e < 2; e++) {
+        __m512i sum = _mm512_setzero_si512();
+        for (int o = 4 * e; o < 4 * e + 4; o++) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), u->wq[o]);
+        u->start[e] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7));
+        u->scales[e] = side_by_side_ps(scales[0][e], scales[1][e]);
+    }
+}
+
+/* Two blocks by lane against the mr rows of x's pair at x, their d's at lane, into acc */
+ALWAYS void q6_k_lanes_rows(const q6_k_lanes *u, const int8_t *x, const float *lane, const int mr, __m512 acc[MR]) {
+    EACH_ROW
+    for (int r = 0; r < mr; r++) {
+        __m512i dot[2] = {u->start[0], u->start[1]};
+        for (int o = 0; o < 8; o++)
+            dot[o / 4] = _mm512_dpbusd_epi32(dot[o / 4], _mm512_loadu_si512(x + 512 * r + 64 * o), u->wq[o]);
+        const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[1]), u->scales[1],
+                                           _mm512_mul_ps(_mm512_cvtepi32_ps(dot[0]), u->scales[0]));
+        acc[r] = _mm512_fmadd_ps(sum, _mm512_loadu_ps(lane + 32 * r), acc[r]);
+    }
+}
+
+/* A Q4_K or Q6_K weight row at w by lane: unpacked here, pair by pair (`unpacked` 0), or already, as
+ * q4_k_lanes or q6_k_lanes (1) */
+ALWAYS void rows_k_by_lane(const int type, const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y,
+                           int64_t ldy, const int unpacked) {
+    const int64_t K = a->K;
+    __m512 acc[MR];
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < K / 512; p++) {
+        const int8_t *x = a->q + m0 * K + p * mr * 512;
+        const float *lane = a->lane + m0 * (K / 16) + p * mr * 32;
+        if (type == Q4_K) {
+            q4_k_lanes here;
+            if (!unpacked) q4_k_lanes_of(w + 2 * p * sizeof(block_q4_K), &here);
+            q4_k_lanes_rows(unpacked ? (const q4_k_lanes *)w + p : &here, x, lane, mr, acc);
+        } else {
+            q6_k_lanes here;
+            if (!unpacked) q6_k_lanes_of(w + 2 * p * sizeof(block_q6_K), &here);
+            q6_k_lanes_rows(unpacked ? (const q6_k_lanes *)w + p : &here, x, lane, mr, acc);
+        }
+    }
+    store_sums(acc, mr, y, ldy);
+}
+
+ALWAYS void rows_q4_k_unpacked(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    rows_k_by_lane(Q4_K, w, a, m0, mr, y, ldy, 1);
+}
+
+ALWAYS void rows_q6_k_unpacked(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+    rows_k_by_lane(Q6_K, w, a, m0, mr, y, ldy, 1);
+}
+#endif
+
 /* Q6_K: sub-blocks of 16 with int8 scales; values 0..63 less 32, the 32 carried by the x sums of 16. One row of
  * x in the file's order, group by group; more (shuffled by words_2x2) against the whole block at once, its
  * values unpacked into eight registers first: each row's products of groups 2P and 2P + 1 summed in s16 (at
  * most 2 x 2 x 63 x 127), then one madd of their scales, which take in the low 128 bits scales 4P and 4P + 2 of
  * the half word by word, in the high, 4P + 1 and 4P + 3 */
 ALWAYS void rows_q6_k(const uint8_t *w, const acts *a, int64_t m0, const int mr, float *y, int64_t ldy) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    if (by_lane_pass(Q6_K, mr, a->K)) {
+        rows_k_by_lane(Q6_K, w, a, m0, mr, y, ldy, 0);
+        return;
+    }
+#endif
 #if defined(__AVX512BW__)
     if (mr > 1) {
         rows_q6_k_pairs(w, a, m0, mr, y, ldy);
@@ -1330,7 +1406,9 @@ TILE(tile_q4_k, rows_q4_k, 1)
 TILE(tile_q5_k, rows_q5_k, 1)
 TILE(tile_q6_k, rows_q6_k, 1)
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-TILE(tile_q4_k_unpacked, rows_q4_k_unpacked, 0)  /* its weights are unpack_tile's, which asked for the next tile */
+/* their weights are unpack_tile's, which asked for the next tile */
+TILE(tile_q4_k_unpacked, rows_q4_k_unpacked, 0)
+TILE(tile_q6_k_unpacked, rows_q6_k_unpacked, 0)
 #endif
 
 static tile_fn tile_for(int type) {
@@ -1380,30 +1458,36 @@ typedef struct {
 } product;
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-/* A thread's tile of Q4_K weights by lane, when x has more than one pass: a prefill's hundreds of rows
- * then unpack each weight block once, not once a pass. Kept for the thread's life (~2.2 x TILE_BYTES). */
-static _Thread_local q4_k_lanes *tile_lanes;
-static _Thread_local int64_t tile_lanes_count;
+/* A thread's tile of Q4_K or Q6_K weights by lane, when x has two or more passes: a prefill's hundreds of rows
+ * then unpack each weight block once, not once a pass. Kept for the thread's life (~2.2-2.5 x TILE_BYTES). */
+static _Thread_local uint8_t *tile_lanes;
+static _Thread_local int64_t tile_lanes_bytes;
 
-/* The tile's `rows` rows of Q4_K at w (row_bytes apart) into tile_lanes: for each piece of x (a) that goes by
- * lane, its rows' pairs one row after another from c x rows x span / 512, c the piece. Asks for the next
+/* The bytes of a pair of blocks by lane */
+static int64_t lanes_bytes(int type) { return type == Q4_K ? sizeof(q4_k_lanes) : sizeof(q6_k_lanes); }
+
+/* The tile's `rows` rows of Q4_K or Q6_K at w (row_bytes apart) into tile_lanes: for each piece of x (a) that goes
+ * by lane, its rows' pairs one row after another from c x rows x span / 512 pairs, c the piece. Asks for the next
  * tile's rows as it goes, as PREFETCH_NEXT_TILE does. NULL where the buffer could not be had. */
-static const q4_k_lanes *unpack_tile(const uint8_t *w, int64_t row_bytes, int64_t rows, const acts *a) {
-    const int64_t count = rows * (a->K / 512);
-    if (count > tile_lanes_count) {
+static const uint8_t *unpack_tile(int type, const uint8_t *w, int64_t row_bytes, int64_t rows, const acts *a) {
+    const int64_t size = lanes_bytes(type), bytes = rows * (a->K / 512) * size;
+    if (bytes > tile_lanes_bytes) {
         free(tile_lanes);
-        tile_lanes_count = 0;
-        if (posix_memalign((void **)&tile_lanes, 64, sizeof(q4_k_lanes) * count)) return tile_lanes = NULL;
-        tile_lanes_count = count;
+        tile_lanes_bytes = 0;
+        if (posix_memalign((void **)&tile_lanes, 64, bytes)) return tile_lanes = NULL;
+        tile_lanes_bytes = bytes;
     }
     for (int64_t n = 0; n < rows; n++) {
         for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(w + (n + rows) * row_bytes + line, 0, 2);
         for (int64_t c = 0; c * a->span < a->K; c++) {
             const int64_t K = a->K - c * a->span < a->span ? a->K - c * a->span : a->span;
-            if (!by_lane_pass(Q4_K, MR, K)) continue;
-            const uint8_t *row = w + n * row_bytes + c * a->span / 256 * sizeof(block_q4_K);
-            q4_k_lanes *to = tile_lanes + c * rows * (a->span / 512) + n * (K / 512);
-            for (int64_t p = 0; p < K / 512; p++) q4_k_lanes_of(row + 2 * p * sizeof(block_q4_K), to + p);
+            if (!by_lane_pass(type, MR, K)) continue;
+            const uint8_t *row = w + n * row_bytes + c * a->span / 256 * block_bytes(type);
+            uint8_t *to = tile_lanes + (c * rows * (a->span / 512) + n * (K / 512)) * size;
+            for (int64_t p = 0; p < K / 512; p++) {
+                if (type == Q4_K) q4_k_lanes_of(row + 2 * p * sizeof(block_q4_K), (q4_k_lanes *)to + p);
+                else q6_k_lanes_of(row + 2 * p * sizeof(block_q6_K), (q6_k_lanes *)to + p);
+            }
         }
     }
     return tile_lanes;
@@ -1427,7 +1511,9 @@ static void run_products(const product *p, int count, int64_t M) {
             const int64_t rows = n0 + tile_rows < end ? tile_rows : end - n0;
             const uint8_t *w = p[i].w + n0 * row_bytes;
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-            const q4_k_lanes *lanes = p[i].type == Q4_K && M >= 2 * pass ? unpack_tile(w, row_bytes, rows, p[i].a) : NULL;
+            const int type = p[i].type;
+            const uint8_t *lanes = (type == Q4_K || type == Q6_K) && M >= 2 * pass
+                                       ? unpack_tile(type, w, row_bytes, rows, p[i].a) : NULL;
 #endif
             for (int64_t m0 = 0; m0 < M; m0 += pass)
                 for (int64_t c = 0; c * span < p[i].a->K; c++) {
@@ -1435,10 +1521,11 @@ static void run_products(const product *p, int count, int64_t M) {
                     const int mr = M - m0 < pass ? M - m0 : pass;
                     float *y = p[i].y + m0 * p[i].ldy + n0;
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-                    if (lanes && by_lane_pass(Q4_K, mr, piece.K)) {
-                        tile_q4_k_unpacked((const uint8_t *)(lanes + c * rows * (span / 512)),
-                                           piece.K / 512 * (int64_t)sizeof(q4_k_lanes), rows, &piece, m0, mr, y,
-                                           p[i].ldy, c > 0);
+                    if (lanes && by_lane_pass(type, mr, piece.K)) {
+                        const int64_t size = lanes_bytes(type);
+                        (type == Q4_K ? tile_q4_k_unpacked : tile_q6_k_unpacked)(
+                            lanes + c * rows * (span / 512) * size, piece.K / 512 * size, rows, &piece, m0, mr, y,
+                            p[i].ldy, c > 0);
                         continue;
                     }
 #endif

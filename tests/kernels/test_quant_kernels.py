@@ -82,12 +82,13 @@ def test_linear_matches_dequantized_product(isa: str, ggml_type: int, data: st.D
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: GGMLQuantizationType(t).name)
-@pytest.mark.parametrize("rows", [2, 3, 9, 10, 16, 19])
+@pytest.mark.parametrize("rows", [2, 3, 5, 9, 10, 16, 19, 37])
 def test_deep_products_sum_their_pieces(isa: str, ggml_type: int, rows: int) -> None:
     """x deeper than a pass keeps in L1 is multiplied a piece of K at a time and the pieces' sums added:
     6,144 values and 3 blocks more, so the last piece is short and holds an odd count of blocks; 10 and 19
     rows end in a pass of 2 or 3 after whole ones (each pass reads its rows' scales side by side, piece by
-    piece; its count of rows picks its kernel and x's layout: Q4_0 and Q4_1 go by lane from 3 rows)"""
+    piece; its count of rows picks its kernel and x's layout: Q4_0 and Q4_1 go by lane from 3 rows, Q6_K from
+    5); 37 rows are three passes, for which Q4_K's and Q6_K's weights are unpacked by lane once for all"""
     block = GGML_QUANT_SIZES[ggml_type][0]
     depth, rng = 6144 + 3 * block, np.random.default_rng(rows * 1000 + ggml_type)
     raw = random_weight(rng, ggml_type, 37, depth)
