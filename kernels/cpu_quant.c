@@ -838,7 +838,7 @@ ALWAYS void rows_q6_k_pairs(const uint8_t *w, const acts *a, int64_t m0, const i
  * block l / 8, l' = l % 8, so that two sums of 4 dot products a row hold the 32 sub-blocks. The values go signed
  * (less their 32) against x's offset by 128 to unsigned bytes; each sum starts at -128 x its 16 values' sum, once
  * per weight row for all rows. A row's two blocks: 8 dot products, 2 conversions and three multiplies, where side
- * by side (rows_q6_k_pairs) the 16-bit sums and the offset's took 12 more operations. */
+ * by side (rows_q6_k_pairs) the 16-bit sums, their scales and the offset's products took about twice as many. */
 typedef struct {
     __m512i wq[8];      /* the values less 32, through by_lane */
     __m512i start[2];   /* -128 x each sub-block's sum: of the even ones, then of the odd */
