@@ -521,12 +521,11 @@ ALWAYS void q45_k_many(const uint8_t *blk, const uint32_t u[4], const int five, 
  * multiply does twice the work of the 256-bit kernels'; an odd last block goes alone in the low halves. */
 ALWAYS __m512i side_by_side(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 
-/* 16 blocks' 32 values (v[l]: block l) as the by-lane kernels take them: register o's 32-bit lane l bytes
- * 4o..4o + 3 of block l (an 8 x 8 transpose of the 32-bit words of blocks k and k + 8 in the halves of 8
+/* 16 blocks' 32 values (z[k]: blocks k and k + 8 side by side) as the by-lane kernels take them: register o's
+ * 32-bit lane l bytes 4o..4o + 3 of block l (an 8 x 8 transpose of the 32-bit words in the halves of 8
  * registers) */
-ALWAYS void by_lane(const __m256i v[16], __m512i wq[8]) {
-    __m512i z[8], t[8], u[8];
-    for (int k = 0; k < 8; k++) z[k] = side_by_side(v[k], v[k + 8]);
+ALWAYS void by_lane_halves(const __m512i z[8], __m512i wq[8]) {
+    __m512i t[8], u[8];
     for (int k = 0; k < 8; k += 2) {
         t[k] = _mm512_unpacklo_epi32(z[k], z[k + 1]);
         t[k + 1] = _mm512_unpackhi_epi32(z[k], z[k + 1]);
@@ -543,6 +542,13 @@ ALWAYS void by_lane(const __m256i v[16], __m512i wq[8]) {
         wq[c] = _mm512_permutex2var_epi64(u[c], even, u[4 + c]);
         wq[4 + c] = _mm512_permutex2var_epi64(u[c], odd, u[4 + c]);
     }
+}
+
+/* The same of 16 blocks' 32 values, v[l] block l */
+ALWAYS void by_lane(const __m256i v[16], __m512i wq[8]) {
+    __m512i z[8];
+    for (int k = 0; k < 8; k++) z[k] = side_by_side(v[k], v[k + 8]);
+    by_lane_halves(z, wq);
 }
 
 /* y[r * ldy] = the sum of acc[r]'s lanes, r < mr: for more than 4 rows 16 sums at once, in four rounds that each
@@ -653,19 +659,25 @@ typedef struct {
 
 /* Blocks blk and blk + 1 by lane */
 ALWAYS void q4_k_lanes_of(const uint8_t *blk, q4_k_lanes *u) {
-    __m256i v[16], none = _mm256_setzero_si256();
     __m256 scales[2], mins[2];
     for (int k = 0; k < 2; k++) {
-        const uint8_t *b = blk + k * sizeof(block_q4_K);
         uint32_t s[4];
         __m256 d;
-        q45_k_header(b, s, &d, &mins[k]);
+        q45_k_header(blk + k * sizeof(block_q4_K), s, &d, &mins[k]);
         scales[k] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
                                          _mm_cvtsi64_si128((int64_t)((uint64_t)s[1] << 32 | s[0])))));
-        for (int j = 0; j < 4; j++)
-            q45_k_values(b + offsetof(block_q4_K, qs), &none, j, 0, &v[8 * k + 2 * j], &v[8 * k + 2 * j + 1]);
     }
-    by_lane(v, u->wq);
+    /* both blocks' values at once, 32 bytes of qs of each in the halves of a register */
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512i z[8];
+    for (int j = 0; j < 4; j++) {
+        const uint8_t *qs = blk + offsetof(block_q4_K, qs) + 32 * j;
+        const __m512i packed = side_by_side(_mm256_loadu_si256((const __m256i *)qs),
+                                            _mm256_loadu_si256((const __m256i *)(qs + sizeof(block_q4_K))));
+        z[2 * j] = _mm512_and_si512(packed, low4);
+        z[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+    }
+    by_lane_halves(z, u->wq);
     u->scales = side_by_side_ps(scales[0], scales[1]);
     u->mins = side_by_side_ps(mins[0], mins[1]);
 }
