@@ -1471,12 +1471,18 @@ typedef struct {
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* A thread's tile of Q4_K or Q6_K weights by lane, when x has two or more passes: a prefill's hundreds of rows
- * then unpack each weight block once, not once a pass. Kept for the thread's life (~2.2-2.5 x TILE_BYTES). */
+ * then unpack each weight block once, not once a pass. Kept for the thread's life (~1.8 x TILE_BYTES for Q6_K,
+ * ~2.2 x for Q4_K). */
 static _Thread_local uint8_t *tile_lanes;
 static _Thread_local int64_t tile_lanes_bytes;
 
 /* The bytes of a pair of blocks by lane */
 static int64_t lanes_bytes(int type) { return type == Q4_K ? sizeof(q4_k_lanes) : sizeof(q6_k_lanes); }
+
+/* Where piece c's rows begin in a tile of `rows` rows by lane */
+static int64_t lanes_piece_at(int type, const acts *a, int64_t rows, int64_t c) {
+    return c * rows * (a->span / 512) * lanes_bytes(type);
+}
 
 /* The tile's `rows` rows of Q4_K or Q6_K at w (row_bytes apart) into tile_lanes: for each piece of x (a) that goes
  * by lane, its rows' pairs one row after another from c x rows x span / 512 pairs, c the piece. Asks for the next
@@ -1492,10 +1498,10 @@ static const uint8_t *unpack_tile(int type, const uint8_t *w, int64_t row_bytes,
     for (int64_t n = 0; n < rows; n++) {
         for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(w + (n + rows) * row_bytes + line, 0, 2);
         for (int64_t c = 0; c * a->span < a->K; c++) {
-            const int64_t K = a->K - c * a->span < a->span ? a->K - c * a->span : a->span;
+            const int64_t K = piece_of(a, c).K;
             if (!by_lane_pass(type, MR, K)) continue;
             const uint8_t *row = w + n * row_bytes + c * a->span / 256 * block_bytes(type);
-            uint8_t *to = tile_lanes + (c * rows * (a->span / 512) + n * (K / 512)) * size;
+            uint8_t *to = tile_lanes + lanes_piece_at(type, a, rows, c) + n * (K / 512) * size;
             for (int64_t p = 0; p < K / 512; p++) {
                 if (type == Q4_K) q4_k_lanes_of(row + 2 * p * sizeof(block_q4_K), (q4_k_lanes *)to + p);
                 else q6_k_lanes_of(row + 2 * p * sizeof(block_q6_K), (q6_k_lanes *)to + p);
@@ -1534,10 +1540,9 @@ static void run_products(const product *p, int count, int64_t M) {
                     float *y = p[i].y + m0 * p[i].ldy + n0;
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
                     if (lanes && by_lane_pass(type, mr, piece.K)) {
-                        const int64_t size = lanes_bytes(type);
                         (type == Q4_K ? tile_q4_k_unpacked : tile_q6_k_unpacked)(
-                            lanes + c * rows * (span / 512) * size, piece.K / 512 * size, rows, &piece, m0, mr, y,
-                            p[i].ldy, c > 0);
+                            lanes + lanes_piece_at(type, p[i].a, rows, c), piece.K / 512 * lanes_bytes(type), rows,
+                            &piece, m0, mr, y, p[i].ldy, c > 0);
                         continue;
                     }
 #endif
