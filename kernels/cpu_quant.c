@@ -646,6 +646,22 @@ ALWAYS void rows_q45_k_pairs(const uint8_t *w, const acts *a, int64_t m0, const 
 #endif
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* start + the dot products of the n registers w with n of x's 64 bytes at x (`x_unsigned`: x the unsigned side of
+ * vpdpbusd, else w), summed in `chains` chains added at the end (2 or 4): in one chain of 8 dependent vpdpbusd a
+ * row's latency held the by-lane passes to ~16 cycles a row where their operations need ~12 (bench/RESULTS.md).
+ * Where the weights are unpacked as they are read, their registers leave room for no more than 2. */
+ALWAYS __m512i dot_chains(__m512i start, const __m512i *w, const int8_t *x, const int n, const int x_unsigned,
+                          const int chains) {
+    __m512i sum[4];
+    for (int o = 0; o < n; o++) {
+        const __m512i xo = _mm512_loadu_si512(x + 64 * o);
+        const __m512i from = o == 0 ? start : o < chains ? _mm512_setzero_si512() : sum[o % chains];
+        sum[o % chains] = x_unsigned ? _mm512_dpbusd_epi32(from, xo, w[o]) : _mm512_dpbusd_epi32(from, w[o], xo);
+    }
+    for (int c = 2; c < chains; c++) sum[c - 2] = _mm512_add_epi32(sum[c - 2], sum[c]);
+    return _mm512_add_epi32(sum[0], sum[1]);
+}
+
 /* Q4_K against more than one row of x on AVX-512 VNNI, two blocks at a time by lane: each 32-bit lane one of
  * their 16 sub-blocks, whose 32 products sum in it over 8 dot products, and each sub-block's d x scale, dmin x
  * min and x's d and sum come by lane too: a row's two blocks are 8 dot products, a conversion and three
@@ -682,12 +698,12 @@ ALWAYS void q4_k_lanes_of(const uint8_t *blk, q4_k_lanes *u) {
     u->mins = side_by_side_ps(mins[0], mins[1]);
 }
 
-/* Two blocks by lane against the mr rows of x's pair at x, their d's and sums at lane, into acc */
-ALWAYS void q4_k_lanes_rows(const q4_k_lanes *u, const int8_t *x, const float *lane, const int mr, __m512 acc[MR]) {
+/* Two blocks by lane against the mr rows of x's pair at x, their d's and sums at lane, into acc (dot_chains) */
+ALWAYS void q4_k_lanes_rows(const q4_k_lanes *u, const int8_t *x, const float *lane, const int mr, __m512 acc[MR],
+                            const int chains) {
     EACH_ROW
     for (int r = 0; r < mr; r++) {
-        __m512i dot = _mm512_setzero_si512();
-        for (int o = 0; o < 8; o++) dot = _mm512_dpbusd_epi32(dot, u->wq[o], _mm512_loadu_si512(x + 512 * r + 64 * o));
+        const __m512i dot = dot_chains(_mm512_setzero_si512(), u->wq, x + 512 * r, 8, 0, chains);
         acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), u->scales), _mm512_loadu_ps(lane + 32 * r),
                                  acc[r]);
         acc[r] = _mm512_fnmadd_ps(u->mins, _mm512_loadu_ps(lane + 32 * r + 16), acc[r]);
@@ -885,9 +901,8 @@ ALWAYS void q6_k_lanes_of(const uint8_t *blk, q6_k_lanes *u) {
 ALWAYS void q6_k_lanes_rows(const q6_k_lanes *u, const int8_t *x, const float *lane, const int mr, __m512 acc[MR]) {
     EACH_ROW
     for (int r = 0; r < mr; r++) {
-        __m512i dot[2] = {u->start[0], u->start[1]};
-        for (int o = 0; o < 8; o++)
-            dot[o / 4] = _mm512_dpbusd_epi32(dot[o / 4], _mm512_loadu_si512(x + 512 * r + 64 * o), u->wq[o]);
+        const __m512i dot[2] = {dot_chains(u->start[0], u->wq, x + 512 * r, 4, 1, 2),
+                                dot_chains(u->start[1], u->wq + 4, x + 512 * r + 256, 4, 1, 2)};
         const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[1]), u->scales[1],
                                            _mm512_mul_ps(_mm512_cvtepi32_ps(dot[0]), u->scales[0]));
         acc[r] = _mm512_fmadd_ps(sum, _mm512_loadu_ps(lane + 32 * r), acc[r]);
@@ -907,7 +922,7 @@ ALWAYS void rows_k_by_lane(const int type, const uint8_t *w, const acts *a, int6
         if (type == Q4_K) {
             q4_k_lanes here;
             if (!unpacked) q4_k_lanes_of(w + 2 * p * sizeof(block_q4_K), &here);
-            q4_k_lanes_rows(unpacked ? (const q4_k_lanes *)w + p : &here, x, lane, mr, acc);
+            q4_k_lanes_rows(unpacked ? (const q4_k_lanes *)w + p : &here, x, lane, mr, acc, unpacked ? 4 : 2);
         } else {
             q6_k_lanes here;
             if (!unpacked) q6_k_lanes_of(w + 2 * p * sizeof(block_q6_K), &here);
@@ -1114,8 +1129,7 @@ ALWAYS void rows_q8_0_groups(const uint8_t *w, const acts *a, int64_t m0, const 
         EACH_ROW
         for (int r = 0; r < mr; r++) {
             const int8_t *x = a->q + (m0 + r) * K + 512 * g;
-            __m512i p = start;
-            for (int o = 0; o < 8; o++) p = _mm512_dpbusd_epi32(p, _mm512_loadu_si512(x + 64 * o), wq[o]);
+            const __m512i p = dot_chains(start, wq, x, 8, 1, 2);
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(p), dw),
                                      _mm512_loadu_ps(a->d + (m0 + r) * nb + 16 * g), acc[r]);
         }
@@ -1257,8 +1271,7 @@ ALWAYS void rows_q4_groups(int type, const uint8_t *w, const acts *a, int64_t m0
         for (int r = 0; r < mr; r++) {
             const int8_t *x = a->q + (m0 + r) * K + 512 * g;
             const int64_t i = (m0 + r) * nb + 16 * g;
-            __m512i p = _mm512_setzero_si512();
-            for (int o = 0; o < 8; o++) p = _mm512_dpbusd_epi32(p, wq[o], _mm512_loadu_si512(x + 64 * o));
+            const __m512i p = dot_chains(_mm512_setzero_si512(), wq, x, 8, 0, 2);
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(p), dw), _mm512_loadu_ps(a->d + i), acc[r]);
             acc[r] = _mm512_fmadd_ps(offset, _mm512_loadu_ps(a->ds + i), acc[r]);
         }
