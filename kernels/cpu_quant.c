@@ -715,6 +715,44 @@ ALWAYS void rows_k_by_lane(int type, const uint8_t *w, const acts *a, int64_t m0
                            int unpacked);
 #endif
 
+#if defined(__AVX512BW__)
+/* Q4_K against one row of x on AVX-512, two sub-blocks a register: qs's 32 bytes of sub-blocks 2j and 2j + 1 in
+ * both halves, shifted by 0 and 4 at once (vpsrlvw), so that they lie as x does; their products summed in s16,
+ * then by each half's scale (vpermw from the block's eight) in s32. Half the operations of the 256-bit path
+ * below, which read a chat's weights short of memory's pace (bench/RESULTS.md; Q6_K's, at its pace, gained
+ * nothing so). */
+ALWAYS void row_q4_k_wide(const uint8_t *w, const acts *a, int64_t m0, float *y) {
+    const int64_t K = a->K, nb = K / 256;
+    const int8_t *xq = a->q + m0 * K;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    __m512 acc = _mm512_setzero_ps();
+    __m256 minus = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * sizeof(block_q4_K);
+        PREFETCH_AHEAD(blk, (int)sizeof(block_q4_K));
+        uint32_t u[4];
+        __m256 d, mins;
+        q45_k_header(blk, u, &d, &mins);
+        const __m512i sc16 = _mm512_castsi128_si512(
+            _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)((uint64_t)u[1] << 32 | u[0]))));
+        __m512i isum = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m512i packed = _mm512_broadcast_i64x4(
+                _mm256_loadu_si256((const __m256i *)(blk + offsetof(block_q4_K, qs) + 32 * j)));
+            const __m512i v = _mm512_and_si512(_mm512_srlv_epi16(packed, shift), low4);
+            const __m512i scale = _mm512_permutexvar_epi16(
+                _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 1)), 1), sc16);
+            const __m512i p16 = _mm512_maddubs_epi16(v, _mm512_loadu_si512(xq + 256 * b + 64 * j));
+            isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p16, scale));
+        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(_mm256_cvtss_f32(d) * a->d[m0 * nb + b]), acc);
+        minus = _mm256_fmadd_ps(mins, _mm256_loadu_ps(a->ds + (m0 * nb + b) * 8), minus);
+    }
+    *y = _mm512_reduce_add_ps(acc) - sum8(minus);
+}
+#endif
+
 /* Q4_K and Q5_K: sub-blocks of 32 with 6-bit scales and mins; x's d * sum of each 32 carries the mins. One row
  * of x in the file's order, sub-block by sub-block; more (shuffled by words_4x4) against the whole block at
  * once, its values unpacked into eight registers first: each row's four products of a register's 128 values
@@ -730,6 +768,10 @@ ALWAYS void rows_q45_k(const uint8_t *w, const acts *a, int64_t m0, const int mr
 #if defined(__AVX512BW__)
     if (mr > 1) {
         rows_q45_k_pairs(w, a, m0, mr, y, ldy, five);
+        return;
+    }
+    if (!five) {
+        row_q4_k_wide(w, a, m0, y);
         return;
     }
 #endif
