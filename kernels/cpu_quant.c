@@ -915,14 +915,32 @@ typedef struct {
     __m512 scales[2];   /* d x each sub-block's scale, likewise */
 } q6_k_lanes;
 
+/* Half h of blocks blk and blk + 1 at once as q6_k_values takes one block's, blk's in the low halves: as
+ * q4_k_lanes_of's, the two blocks' values built in one pass of 512-bit operations where a pass of 256-bit ones
+ * for each block, then their halves put side by side, took twice the operations */
+ALWAYS void q6_k_values_two(const uint8_t *blk, int h, __m512i z[4]) {
+    const block_q6_K *b = (const block_q6_K *)blk;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+#define TWO(field, at) side_by_side(_mm256_loadu_si256((const __m256i *)(b[0].field + (at))), \
+                                    _mm256_loadu_si256((const __m256i *)(b[1].field + (at))))
+    const __m512i qa = TWO(ql, 64 * h), qb = TWO(ql, 64 * h + 32), qh = TWO(qh, 32 * h);
+#undef TWO
+#define HIGH(mask) _mm512_and_si512(qh, _mm512_set1_epi8((char)(mask)))
+    z[0] = _mm512_or_si512(_mm512_and_si512(qa, low4), _mm512_slli_epi16(HIGH(0x03), 4));
+    z[1] = _mm512_or_si512(_mm512_and_si512(qb, low4), _mm512_slli_epi16(HIGH(0x0C), 2));
+    z[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(qa, 4), low4), HIGH(0x30));
+    z[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(qb, 4), low4), _mm512_srli_epi16(HIGH(0xC0), 2));
+#undef HIGH
+}
+
 /* Blocks blk and blk + 1 by lane */
 ALWAYS void q6_k_lanes_of(const uint8_t *blk, q6_k_lanes *u) {
-    __m256i v[16];
+    __m512i z[8];
     __m256 scales[2][2];
+    for (int h = 0; h < 2; h++) q6_k_values_two(blk, h, z + 4 * h);
+    for (int g = 0; g < 8; g++) z[g] = _mm512_sub_epi8(z[g], _mm512_set1_epi8(32));
     for (int k = 0; k < 2; k++) {
         const block_q6_K *b = (const block_q6_K *)(blk + k * sizeof(block_q6_K));
-        for (int h = 0; h < 2; h++) q6_k_values(b, h, v + 8 * k + 4 * h);
-        for (int g = 0; g < 8; g++) v[8 * k + g] = _mm256_sub_epi8(v[8 * k + g], _mm256_set1_epi8(32));
         /* the even scales in the low 8 bytes, the odd in the high */
         const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)b->scales),
                                             _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
@@ -930,7 +948,7 @@ ALWAYS void q6_k_lanes_of(const uint8_t *blk, q6_k_lanes *u) {
         scales[k][0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
         scales[k][1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
     }
-    by_lane(v, u->wq);
+    by_lane_halves(z, u->wq);
     for (int e = 0; e < 2; e++) {
         __m512i sum = _mm512_setzero_si512();
         for (int o = 4 * e; o < 4 * e + 4; o++) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), u->wq[o]);
