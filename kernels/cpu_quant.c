@@ -17,8 +17,9 @@
  *
  * One file, built per instruction set: with -mavx2 -mfma -mf16c the AVX2 kernels below (with VNNI, their
  * byte products in vpdpbusd); with AVX-512 as well, the many-row kernels take two blocks at once in 512-bit
- * registers and the K-quants 16 rows of x a pass; without AVX2, the portable ones (plain C, which unpacks
- * each weight block into bytes and lets the compiler vectorise the dot products as it can), for any CPU.
+ * registers and the K-quants 16 rows of x a pass, and Q4_K's one-row kernel two sub-blocks a register; without
+ * AVX2, the portable ones (plain C, which unpacks each weight block into bytes and lets the compiler vectorise
+ * the dot products as it can), for any CPU.
  */
 #include <math.h>
 #include <stddef.h>
