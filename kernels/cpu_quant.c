@@ -720,8 +720,8 @@ ALWAYS void rows_k_by_lane(int type, const uint8_t *w, const acts *a, int64_t m0
 /* Q4_K against one row of x on AVX-512, two sub-blocks a register: qs's 32 bytes of sub-blocks 2j and 2j + 1 in
  * both halves, shifted by 0 and 4 at once (vpsrlvw), so that they lie as x does; their products summed in s16,
  * then by each half's scale (vpermw from the block's eight) in s32. Half the operations of the 256-bit path
- * below, which read a chat's weights short of memory's pace (bench/RESULTS.md; Q6_K's, at its pace, gained
- * nothing so). */
+ * below: on its own it streams weights from memory faster, in the engine no change showed (bench/RESULTS.md);
+ * Q6_K's one-row path, already at memory's pace, gained nothing so. */
 ALWAYS void row_q4_k_wide(const uint8_t *w, const acts *a, int64_t m0, float *y) {
     const int64_t K = a->K, nb = K / 256;
     const int8_t *xq = a->q + m0 * K;
