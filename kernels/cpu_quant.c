@@ -648,9 +648,10 @@ ALWAYS void rows_q45_k_pairs(const uint8_t *w, const acts *a, int64_t m0, const 
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* start + the dot products of the n registers w with n of x's 64 bytes at x (`x_unsigned`: x the unsigned side of
- * vpdpbusd, else w), summed in `chains` chains added at the end (2 or 4): in one chain of 8 dependent vpdpbusd a
- * row's latency held the by-lane passes to ~16 cycles a row where their operations need ~12 (bench/RESULTS.md).
- * Where the weights are unpacked as they are read, their registers leave room for no more than 2. */
+ * vpdpbusd, else w), summed in `chains` chains added at the end (2 or 4, at most n): in one chain of 8 dependent
+ * vpdpbusd a row's latency held the by-lane passes to ~16 cycles a row where their operations need ~12
+ * (bench/RESULTS.md). Where Q4_K's weights are unpacked as they are read, their registers leave room for no more
+ * than 2; Q6_K's two sums of 4 take 2 each. */
 ALWAYS __m512i dot_chains(__m512i start, const __m512i *w, const int8_t *x, const int n, const int x_unsigned,
                           const int chains) {
     __m512i sum[4];
@@ -670,7 +671,7 @@ ALWAYS __m512i dot_chains(__m512i start, const __m512i *w, const int8_t *x, cons
  * multiplies for the scales. x's rows lie pass-major (acts), so that each row's pair is at a constant offset
  * from the pass's (a pointer a row and array spilled). */
 typedef struct {
-    __m512i wq[8];        /* the values, through by_lane */
+    __m512i wq[8];        /* the values, through by_lane_halves */
     __m512 scales, mins;  /* each sub-block's d x scale and dmin x min */
 } q4_k_lanes;
 
@@ -911,7 +912,7 @@ ALWAYS void rows_q6_k_pairs(const uint8_t *w, const acts *a, int64_t m0, const i
  * per weight row for all rows. A row's two blocks: 8 dot products, 2 conversions and three multiplies, where side
  * by side (rows_q6_k_pairs) the 16-bit sums, their scales and the offset's products took about twice as many. */
 typedef struct {
-    __m512i wq[8];      /* the values less 32, through by_lane */
+    __m512i wq[8];      /* the values less 32, through by_lane_halves */
     __m512i start[2];   /* -128 x each sub-block's sum: of the even ones, then of the odd */
     __m512 scales[2];   /* d x each sub-block's scale, likewise */
 } q6_k_lanes;
