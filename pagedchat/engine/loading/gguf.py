@@ -34,6 +34,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagedchat.engine.layers.quantized import Matrix, QuantizedWeight
+from pagedchat.engine.loading import page_cache
 from pagedchat.engine.loading.tokenizer import FileTokenizer, quiet_transformers, transformers_tokenizer
 from pagedchat.engine.loading.tokenizer import save as save_tokenizer
 from pagedchat.kernels import quant
@@ -335,7 +336,7 @@ def kv_cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 def open_model(path: Path, dtype: torch.dtype, device: torch.device
                ) -> tuple[GgufModel, FileTokenizer | PreTrainedTokenizerBase]:
-    """The file's tensors over a memory map, with its config and tokenizer.
+    """The file's tensors over a memory map (`page_cache.map_file`), with its config and tokenizer.
 
     Where it runs in place (`runs_in_place`), every tensor of `quant.TYPES` stays the file's bytes, in a model
     that computes in `compute_dtype`; tensors of other types are dequantized once to bf16
@@ -351,7 +352,7 @@ def open_model(path: Path, dtype: torch.dtype, device: torch.device
     generation = Generation(sorted(eos))
     in_place = runs_in_place(device)
     permuted = header.architecture in PERMUTED_QK
-    file = np.memmap(path, dtype=np.uint8, mode="c")  # private pages: writable for torch, never written
+    file = page_cache.map_file(path, cache_dir(path) / "loaded-in-boot")  # cache_dir: made by read_config
     tensors: dict[str, Matrix] = {}
     dequantized = []
     for info in header.tensors.values():
