@@ -1,5 +1,6 @@
 """pagedchat: a terminal chat app on a paged-KV LLM engine."""
 
+import sys
 from pathlib import Path
 
 from pagedchat.engine.api.params import SamplingParams
@@ -10,6 +11,11 @@ from pagedchat.engine.api.params import SamplingParams
 _checkout = Path(__file__).resolve().parent.parent
 if (_checkout / "pyproject.toml").is_file() and (_checkout / "kernels" / "__init__.py").is_file():
     __path__.append(str(_checkout))
+    # On sys.path (`python -m` run in the root), the checkout also makes its kernels/ the top-level module
+    # `kernels`: the name of Hugging Face's package, which transformers 5 requires and imports with its model
+    # code. The root goes last, so that an installed package of that name comes first.
+    _root = [entry for entry in sys.path if Path(entry or ".").resolve() == _checkout]
+    sys.path[:] = [entry for entry in sys.path if entry not in _root] + _root
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]

@@ -1,6 +1,7 @@
 """Model discovery, checks and loading: every bad input is one clear ModelError line."""
 
 import ctypes
+import importlib.metadata
 import json
 import shutil
 import subprocess
@@ -369,3 +370,18 @@ def test_loading_hands_back_the_memory_it_freed(tiny_model, tmp_path, monkeypatc
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout.strip().splitlines()[-1]) > 30  # of the 39 MB freed
+
+
+def test_run_in_a_checkout_transformers_finds_hugging_faces_kernels_package():
+    """`python -m` in the repo root puts the checkout on sys.path, where kernels/ (pagedchat.kernels' sources)
+    would stand for the top-level `kernels`, Hugging Face's package that transformers 5 imports with its model
+    code: importing that code then failed on a name our folder does not have."""
+    root = Path(__file__).resolve().parents[2]
+    script = "import pagedchat, transformers.activations, kernels; print(kernels.__file__)"
+    run = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return  # nothing to find first: the folder may serve
+    assert Path(run.stdout.strip()).resolve() != root / "kernels" / "__init__.py"
