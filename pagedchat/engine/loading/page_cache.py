@@ -1,12 +1,12 @@
 """A GGUF mapped so that its pages can lie in the page cache as 2 MiB folios.
 
-A decode of one chat streams every weight once a token; from a file whose cached pages were 2 MiB folios
-(each physically contiguous) the kernels read them 1.13x faster than from the small folios that a write or
-an ordinary read leaves (bench/RESULTS.md, "Weights in 2 MiB folios"). The kernel builds such folios when it
-reads a file in through a mapping advised MADV_HUGEPAGE (Linux 6.x on a filesystem with large folios, ext4
-among them), but keeps the folios it already holds: so the first load of a file in a boot drops its cached
-pages first (only clean pages that no process maps go), and the model's first steps read them back through
-the mapping. A marker beside the file's tokenizer cache holds the boot's id, so that later loads of the same
+A decode of one chat streams every weight once a token; the kernels read a file's weights faster where its
+cached pages are 2 MiB folios (each physically contiguous) than where they are the small ones that an ordinary
+mapping's faults read in, as another program's or an older pagedchat's (bench/RESULTS.md, "Weights in 2 MiB
+folios"). The kernel builds such folios when it reads a file in through a mapping advised MADV_HUGEPAGE (Linux
+6.x on a filesystem with large folios, ext4 among them), but keeps the folios it already holds: so the first
+load of a file in a boot drops its cached pages first (only clean pages that no process maps go), and the
+model's first steps read them back through the mapping. A marker beside the file's tokenizer cache holds the boot's id, so that later loads of the same
 boot keep what is cached, whatever shape it took.
 """
 
