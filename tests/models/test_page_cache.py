@@ -1,8 +1,11 @@
 """A GGUF's mapping (page_cache.map_file): the file's bytes, private, advised for huge pages, and its cached
 pages dropped at most once a boot."""
 
+import errno
+import mmap
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -86,3 +89,15 @@ def test_nothing_is_dropped_without_huge_pages_a_boot_id_or_a_writable_marker(ma
     assert page_cache.map_file(path, tmp_path / "marker").tobytes() == data
     assert calls == []
     assert not (tmp_path / "marker").exists()
+
+
+def test_a_kernel_that_refuses_huge_pages_still_maps_the_file(machine, weights, tmp_path, monkeypatch):
+    class Refusing(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(page_cache, "mmap", SimpleNamespace(
+        mmap=Refusing, MAP_PRIVATE=mmap.MAP_PRIVATE, PROT_READ=mmap.PROT_READ, PROT_WRITE=mmap.PROT_WRITE,
+        MADV_HUGEPAGE=getattr(mmap, "MADV_HUGEPAGE", 14)))
+    path, data = weights
+    assert page_cache.map_file(path, tmp_path / "marker").tobytes() == data

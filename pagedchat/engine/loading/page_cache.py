@@ -12,6 +12,7 @@ boot keep what is cached, whatever shape it took.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from pathlib import Path
@@ -30,7 +31,8 @@ def map_file(path: Path, marker: Path) -> np.ndarray:
             os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         buffer = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        buffer.madvise(mmap.MADV_HUGEPAGE)
+        with contextlib.suppress(OSError):  # EINVAL from a kernel built without transparent huge pages
+            buffer.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(buffer, dtype=np.uint8)
 
 
