@@ -352,7 +352,7 @@ def open_model(path: Path, dtype: torch.dtype, device: torch.device
     generation = Generation(sorted(eos))
     in_place = runs_in_place(device)
     permuted = header.architecture in PERMUTED_QK
-    file = page_cache.map_file(path, cache_dir(path) / "loaded-in-boot")  # cache_dir: made by read_config
+    file = page_cache.map_file(path, cache_dir(path) / "pages-stay-small")  # cache_dir: made by read_config
     tensors: dict[str, Matrix] = {}
     dequantized = []
     for info in header.tensors.values():
