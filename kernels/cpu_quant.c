@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include <omp.h>
+#include <pthread.h>
 
 #if defined(__AVX2__)
 #include "avx2.h"
@@ -1509,10 +1510,75 @@ static tile_fn tile_for(int type) {
     }
 }
 
+/* A calling thread's scratch (x quantized, a layer call's row buffers), kept from one call to the next: a 1B
+ * model's MLP call of 256 rows (a prefill's piece) takes ~34 MB, which malloc mapped afresh each call and the
+ * kernel faulted in 4 KiB at a time, call after call (bench/RESULTS.md). A call takes its pieces from it in turn
+ * (scratch_take), from malloc where it falls short; its end (scratch_done) frees those and sizes the scratch to
+ * what the call took, so that the next call of that size takes all of it here. Sized down too where SHRINK_AFTER
+ * calls in a row took less than a quarter of it: a chat's decode after a prefill does not hold the prefill's
+ * pages, and a prefill's short last piece of rows (quant.py's ROWS_PER_CALL) does not size it down. One scratch
+ * for each entry point: a step's calls of one kind take about the same, where its qkv and its MLP took 3-4x
+ * apart. */
+#define SCRATCH_SPILLS 8  /* more pieces than any call takes */
+#define SHRINK_AFTER 8
+typedef struct {
+    uint8_t *base;
+    size_t size, used;
+    void *spill[SCRATCH_SPILLS];
+    int spilled, small_calls;
+} scratch;
+enum { FOR_LINEAR, FOR_QKV, FOR_MLP, ENTRY_POINTS };
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_free(void *p) {
+    for (int e = 0; e < ENTRY_POINTS; e++) free(((scratch *)p)[e].base);
+    free(p);
+}
+
+static void scratch_key_make(void) { pthread_key_create(&scratch_key, scratch_free); }
+
+/* The calling thread's scratch for an entry point, empty, or NULL where it could not be had */
+static scratch *scratch_begin(int entry) {
+    pthread_once(&scratch_once, scratch_key_make);
+    scratch *s = pthread_getspecific(scratch_key);
+    if (s == NULL) {
+        if ((s = calloc(ENTRY_POINTS, sizeof *s)) == NULL) return NULL;
+        pthread_setspecific(scratch_key, s);
+    }
+    s += entry;
+    s->used = 0;
+    s->spilled = 0;
+    return s;
+}
+
+/* `bytes` on a cache line, or NULL where malloc had none */
+static void *scratch_take(scratch *s, size_t bytes) {
+    bytes = (bytes + 63) / 64 * 64;
+    s->used += bytes;
+    if (s->used <= s->size) return s->base + s->used - bytes;
+    void *p;
+    if (s->spilled == SCRATCH_SPILLS || posix_memalign(&p, 64, bytes)) return NULL;
+    return s->spill[s->spilled++] = p;
+}
+
+static void scratch_done(scratch *s) {
+    for (int i = 0; i < s->spilled; i++) free(s->spill[i]);
+    s->small_calls = s->used < s->size / 4 ? s->small_calls + 1 : 0;
+    if (s->used > s->size || s->small_calls == SHRINK_AFTER) {
+        s->small_calls = 0;
+        free(s->base);
+        s->size = 0;
+        if (posix_memalign((void **)&s->base, 64, s->used)) s->base = NULL;
+        else s->size = s->used;
+    }
+}
+
 /* The scratch of x quantized for `type`: M rows of K, in pieces whose rows of a pass fit X_PIECE_BYTES (a
  * multiple of 512 values: whole pairs of any type's blocks, as the pair kernels take them); one piece for a
  * single row, whose kernels stream the weights row by row */
-static int acts_alloc(acts *a, int64_t M, int64_t K, int type) {
+static int acts_alloc(acts *a, scratch *s, int64_t M, int64_t K, int type) {
     const int qb = block_values(type);
     const int64_t pass = M < pass_rows(qb) ? M : pass_rows(qb);
     const int64_t span = X_PIECE_BYTES / pass / 512 * 512;
@@ -1520,11 +1586,11 @@ static int acts_alloc(acts *a, int64_t M, int64_t K, int type) {
     a->K = K;
     a->qb = qb;
     a->span = M == 1 || span >= K ? K : span > 512 ? span : 512;
-    void *bytes;  /* on a cache line, as x's rows then are (K a multiple of 32): a load of 32 never straddles two */
+    /* on a cache line, as x's rows then are (K a multiple of 32): a load of 32 never straddles two */
     const int64_t dt_floats = padded_rows(M, qb) * K / qb;
-    if (posix_memalign(&bytes, 64, M * K + sizeof(float) * (M * K / qb + 3 * (M * K / 32) + dt_floats) +
-                                   sizeof(int16_t) * (M * K / 16)))
-        return 1;
+    int8_t *bytes = scratch_take(s, M * K + sizeof(float) * (M * K / qb + 3 * (M * K / 32) + dt_floats) +
+                                        sizeof(int16_t) * (M * K / 16));
+    if (bytes == NULL) return 1;
     a->q = bytes;
     a->d = (float *)(a->q + M * K);
     a->ds = a->d + M * K / qb;
@@ -1637,7 +1703,12 @@ int pagedchat_quant_linear(const void *x, int kind, int64_t M, int64_t K, const 
         return 0;
     }
     acts a;
-    if (acts_alloc(&a, M, K, type)) return 1;
+    scratch *s = scratch_begin(FOR_LINEAR);
+    if (s == NULL) return 1;
+    if (acts_alloc(&a, s, M, K, type)) {
+        scratch_done(s);
+        return 1;
+    }
     const product p = {w, type, N, &a, y, ldy};
     #pragma omp parallel num_threads(threads)
     {
@@ -1645,7 +1716,7 @@ int pagedchat_quant_linear(const void *x, int kind, int64_t M, int64_t K, const 
         for (int64_t m = 0; m < M; m++) quantize_acts(x, kind, m, &a, type);
         run_products(&p, 1, M);
     }
-    free(a.q);
+    scratch_done(s);
     return 0;
 }
 
@@ -1681,7 +1752,7 @@ static void silu_mul_row(const float *gate, const float *up, int64_t K, float *o
 /* x quantized once for each distinct type of a call's products: a[slot[i]] is the scratch of their i-th type */
 typedef struct { acts a[3]; int type[3], slot[3], used; } act_set;
 
-static int act_set_alloc(act_set *s, const int *types, int count, int64_t M, int64_t K) {
+static int act_set_alloc(act_set *s, scratch *from, const int *types, int count, int64_t M, int64_t K) {
     s->used = 0;
     for (int i = 0; i < count; i++) {
         int u = 0;
@@ -1689,10 +1760,7 @@ static int act_set_alloc(act_set *s, const int *types, int count, int64_t M, int
         s->slot[i] = u;
         if (u == s->used) {
             s->type[s->used++] = types[i];
-            if (acts_alloc(&s->a[u], M, K, types[i])) {
-                s->used--;
-                return 1;
-            }
+            if (acts_alloc(&s->a[u], from, M, K, types[i])) return 1;
         }
     }
     return 0;
@@ -1700,10 +1768,6 @@ static int act_set_alloc(act_set *s, const int *types, int count, int64_t M, int
 
 static void act_set_quantize(act_set *s, const float *x, int64_t m) {
     for (int u = 0; u < s->used; u++) quantize_acts(x, KIND_FP32, m, &s->a[u], s->type[u]);
-}
-
-static void act_set_free(act_set *s) {
-    for (int u = 0; u < s->used; u++) free(s->a[u].q);
 }
 
 /* y [M, nq + nk + nv] = q, k, v of rms_norm(x) (x [M, K]), plus bias where given; then each head of q and k
@@ -1718,12 +1782,13 @@ int pagedchat_quant_qkv(const float *x, int64_t M, int64_t K, const float *norm_
                         int threads) {
     const int types[3] = {tq, tk, tv};
     const int64_t N = nq + nk + nv, rotated = nq + nk, half = head_dim / 2;
-    act_set s = {.used = 0};
-    float *normed = malloc(sizeof(float) * M * K), *file = interleaved ? malloc(sizeof(float) * M * rotated) : y;
-    if (normed == NULL || file == NULL || act_set_alloc(&s, types, 3, M, K)) {
-        act_set_free(&s);
-        free(normed);
-        if (interleaved) free(file);
+    act_set s;
+    scratch *from = scratch_begin(FOR_QKV);
+    if (from == NULL) return 1;
+    float *normed = scratch_take(from, sizeof(float) * M * K);
+    float *file = interleaved ? scratch_take(from, sizeof(float) * M * rotated) : y;
+    if (normed == NULL || file == NULL || act_set_alloc(&s, from, types, 3, M, K)) {
+        scratch_done(from);
         return 1;
     }
     const int64_t ldf = interleaved ? rotated : N;
@@ -1761,9 +1826,7 @@ int pagedchat_quant_qkv(const float *x, int64_t M, int64_t K, const float *norm_
             }
         }
     }
-    act_set_free(&s);
-    free(normed);
-    if (interleaved) free(file);
+    scratch_done(from);
     return 0;
 }
 
@@ -1774,18 +1837,16 @@ int pagedchat_quant_mlp(float *residual, const float *attention, int64_t M, int6
                         int to, const float *o_bias, const float *norm_weight, float eps, const void *wg, int tg,
                         const void *wu, int tu, int64_t I, const void *wd, int td, int threads) {
     const int gate_up_types[2] = {tg, tu};
-    act_set s_o = {.used = 0}, s_gu = {.used = 0}, s_d = {.used = 0};
-    float *scratch = malloc(sizeof(float) * M * (2 * H + 3 * I));
-    int failed = scratch == NULL || act_set_alloc(&s_o, &to, 1, M, A) ||
-                 act_set_alloc(&s_gu, gate_up_types, 2, M, H) || act_set_alloc(&s_d, &td, 1, M, I);
-    if (failed) {
-        act_set_free(&s_o);
-        act_set_free(&s_gu);
-        act_set_free(&s_d);
-        free(scratch);
+    act_set s_o, s_gu, s_d;
+    scratch *from = scratch_begin(FOR_MLP);
+    if (from == NULL) return 1;
+    float *rows = scratch_take(from, sizeof(float) * M * (2 * H + 3 * I));
+    if (rows == NULL || act_set_alloc(&s_o, from, &to, 1, M, A) ||
+        act_set_alloc(&s_gu, from, gate_up_types, 2, M, H) || act_set_alloc(&s_d, from, &td, 1, M, I)) {
+        scratch_done(from);
         return 1;
     }
-    float *out = scratch, *normed = out + M * H, *gate_up = normed + M * H, *hidden = gate_up + M * 2 * I;
+    float *out = rows, *normed = out + M * H, *gate_up = normed + M * H, *hidden = gate_up + M * 2 * I;
     const product o = {wo, to, H, &s_o.a[0], out, H};
     const product gu[2] = {{wg, tg, I, &s_gu.a[s_gu.slot[0]], gate_up, 2 * I},
                            {wu, tu, I, &s_gu.a[s_gu.slot[1]], gate_up + I, 2 * I}};
@@ -1816,10 +1877,7 @@ int pagedchat_quant_mlp(float *residual, const float *attention, int64_t M, int6
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < H; n++) residual[m * H + n] += out[m * H + n];
     }
-    act_set_free(&s_o);
-    act_set_free(&s_gu);
-    act_set_free(&s_d);
-    free(scratch);
+    scratch_done(from);
     return 0;
 }
 

@@ -219,7 +219,11 @@ class LLMEngine:
                 samples.append(each)
         if not samples:
             return []
-        return list(zip(samples, sample(logits[rows], samples, self.eos_token_ids)))
+        # each row sampled once is the common case: logits as they are, no copy (a fresh one faults its pages in);
+        # the forward's inference tensors, which the sampler may change in place (bans, penalties)
+        picked = logits if len(rows) == logits.shape[0] else logits[rows]
+        with torch.inference_mode():
+            return list(zip(samples, sample(picked, samples, self.eos_token_ids)))
 
     def _samples_of(self, seq: Sequence) -> list[Sequence]:
         """The samples that seq's logits row stands for: at a request's first token (n > 1), its other

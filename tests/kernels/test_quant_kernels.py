@@ -8,7 +8,9 @@ only the fp32 arithmetic differs; and x itself, against which the error is at mo
 
 import functools
 import importlib.util
+import resource
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -144,6 +146,61 @@ def test_tiles_of_many_short_rows(isa: str, ggml_type: int, rows: int, threads) 
     x = torch.from_numpy(rng.standard_normal((rows, depth), dtype=np.float32))
     threads(1)
     check_product(quant.linear(x, torch.from_numpy(raw), ggml_type, depth, isa=isa), x, raw, ggml_type)
+
+
+def faults_and_rss_mb() -> tuple[int, float]:
+    """The process's minor page faults so far and its resident memory now (MB)"""
+    with open("/proc/self/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1e3
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt, rss
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_calls_scratch_stays_for_the_next(isa: str) -> None:
+    """x quantized takes ~60 MB here, past the size from which malloc maps each allocation afresh: the first call
+    faults its pages in, a later call of that size (a prefill's next layer) next to none, a small call between
+    them leaving it; calls that take a small part of it eight times in a row (a decode after a prefill) give it
+    back. Results the same bits each time."""
+    rng = np.random.default_rng(5)
+    ggml_type, width, depth = GGMLQuantizationType.Q8_0, 4, 65536
+    raw = torch.from_numpy(random_weight(rng, ggml_type, width, depth))
+    big = torch.from_numpy(rng.standard_normal((512, depth), dtype=np.float32)).bfloat16()
+    small = big[:8].clone()
+    outs = [torch.zeros(512, width) for _ in range(3)]
+    faults = []
+    for call, out in enumerate(outs):
+        before = faults_and_rss_mb()[0]
+        quant.linear(big, raw, ggml_type, depth, out=out, isa=isa)
+        faults.append(faults_and_rss_mb()[0] - before)
+        if call == 1:
+            check_product(quant.linear(small, raw, ggml_type, depth, isa=isa), small, raw.numpy(), ggml_type)
+    assert faults[0] > 10_000 and faults[2] < faults[0] / 10, faults
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    check_product(outs[2][:8], small, raw.numpy(), ggml_type)
+
+    held = faults_and_rss_mb()[1]
+    for _ in range(8):
+        quant.linear(small, raw, ggml_type, depth, isa=isa)
+    assert faults_and_rss_mb()[1] < held - 40, (held, faults_and_rss_mb()[1])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_threads_calling_at_once_each_have_their_own_scratch(isa: str) -> None:
+    """Two threads (an app's engine and a test's, say) call at once, each its own shapes, over and over: each
+    gets the bits it gets alone"""
+    rng = np.random.default_rng(6)
+    ggml_type = GGMLQuantizationType.Q4_K
+    problems = []
+    for rows, depth in ((37, 4096), (5, 1024)):
+        raw = torch.from_numpy(random_weight(rng, ggml_type, 96, depth))
+        x = torch.from_numpy(rng.standard_normal((rows, depth), dtype=np.float32))
+        problems.append((x, raw, depth, quant.linear(x, raw, ggml_type, depth, isa=isa)))
+
+    def calls(x: torch.Tensor, raw: torch.Tensor, depth: int, alone: torch.Tensor) -> bool:
+        return all(torch.equal(quant.linear(x, raw, ggml_type, depth, isa=isa), alone) for _ in range(40))
+
+    with ThreadPoolExecutor(2) as pool:
+        assert all(pool.map(lambda problem: calls(*problem), problems))
 
 
 K_QUANTS = [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K]
