@@ -1586,8 +1586,8 @@ static int acts_alloc(acts *a, scratch *s, int64_t M, int64_t K, int type) {
     a->K = K;
     a->qb = qb;
     a->span = M == 1 || span >= K ? K : span > 512 ? span : 512;
-    /* on a cache line, as x's rows then are (K a multiple of 32): a load of 32 never straddles two */
     const int64_t dt_floats = padded_rows(M, qb) * K / qb;
+    /* on a cache line, as x's rows then are (K a multiple of 32): a load of 32 never straddles two */
     int8_t *bytes = scratch_take(s, M * K + sizeof(float) * (M * K / qb + 3 * (M * K / 32) + dt_floats) +
                                         sizeof(int16_t) * (M * K / 16));
     if (bytes == NULL) return 1;
